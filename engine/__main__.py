@@ -1,0 +1,103 @@
+"""Command line: ``python -m engine generate --prompt "..."`` or ``--workload FILE.json``.
+
+A workload file is the format of ``shared/workloads/*.json``: ``{"requests": [{"id",
+"prompt_token_ids", "max_tokens"}, ...]}``, generated greedily with ``ignore_eos``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from engine.llm_engine import LLM
+from engine.loader import DEFAULT_MODEL
+from engine.sampling_params import SamplingParams
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate for one prompt or a workload file")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="a prompt (sent through the chat template unless --raw)")
+    source.add_argument("--workload", type=Path, help="a workload JSON file")
+    gen.add_argument("--raw", action="store_true", help="send --prompt as is, without the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--json-out", type=Path, help="also write the workload summary here")
+    gen.add_argument("--model", default=DEFAULT_MODEL)
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    gen.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--block-size", type=int, default=16)
+    gen.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    gen.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    gen.add_argument("--max-num-seqs", type=int, default=256)
+    gen.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    gen.add_argument("--max-model-len", type=int, default=None)
+    return parser
+
+
+def _build_llm(args) -> LLM:
+    return LLM(model=args.model, dtype=args.dtype, device=args.device,
+               attention_backend=args.attention_backend, seed=args.seed,
+               block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
+               gpu_memory_utilization=args.gpu_memory_utilization,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               max_model_len=args.max_model_len)
+
+
+def run_prompt(llm: LLM, args, params: SamplingParams) -> None:
+    if args.raw:
+        output = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    else:
+        output = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+    completion = output.outputs[0]
+    print(completion.text)
+    print(f"[{len(output.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} output "
+          f"tokens, finish_reason={completion.finish_reason}]", file=sys.stderr)
+
+
+def run_workload(llm: LLM, path: Path) -> dict:
+    """Generate every request of a workload file; return the throughput summary."""
+    requests = json.loads(path.read_text())["requests"]
+    prompts = [r["prompt_token_ids"] for r in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
+              for r in requests]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"workload": path.name, "requests": len(outputs), "output_tokens": output_tokens,
+            "prompt_tokens": sum(len(p) for p in prompts), "seconds": round(seconds, 3),
+            "output_tokens_per_s": round(output_tokens / seconds, 2),
+            "dtype": str(llm.llm_engine.model_runner.dtype).removeprefix("torch."),
+            "device": str(llm.llm_engine.model_runner.device),
+            "attention_backend": llm.llm_engine.model_runner.backend,
+            "num_preemptions": llm.llm_engine.stats()["num_preemptions"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.prompt is not None:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_tokens)  # bad values fail before loading
+        run_prompt(_build_llm(args), args, params)
+        return
+    llm = _build_llm(args)
+    summary = run_workload(llm, args.workload)
+    print(f"requests: {summary['requests']}  output tokens: {summary['output_tokens']}  "
+          f"seconds: {summary['seconds']:.2f}  output tokens/s: {summary['output_tokens_per_s']:.1f}  "
+          f"({summary['dtype']}, {summary['device']}, attention {summary['attention_backend']})")
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

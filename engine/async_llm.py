@@ -1,0 +1,175 @@
+"""``AsyncLLM``: the engine's step loop on a background thread, behind ``async generate()``.
+
+The loop thread owns the ``LLMEngine``. Callers talk to it only through a command queue
+(add, abort) and receive outputs on a per-request ``asyncio.Queue``, so the event loop is
+never blocked by a forward pass and the engine is never touched by two threads at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import uuid
+from typing import AsyncIterator, Optional
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, PromptType
+from engine.request import RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop has stopped; no request can be served until the engine restarts."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (an exception in the step that ran it)."""
+
+
+class AsyncLLM:
+    """Serve many concurrent ``generate()`` calls from one engine.
+
+    Args:
+        engine: the engine to drive; built from ``config`` when ``None``.
+        config: used only when ``engine`` is ``None``.
+    """
+
+    def __init__(self, engine: Optional[LLMEngine] = None,
+                 config: Optional[EngineConfig] = None) -> None:
+        self.engine = engine or LLMEngine(config or EngineConfig())
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self._dead: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run_loop, name="engine-step-loop", daemon=True)
+        self._thread.start()
+
+    # ---- caller side ---------------------------------------------------------------------
+
+    async def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None,
+                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs until it finishes.
+
+        With the default ``sampling_params`` each output is a delta: the text and token ids
+        that step added. Cancelling the consuming task (or closing the generator) aborts the
+        request; its blocks are freed within one step.
+
+        Raises:
+            ValueError: the request can never be served (see ``LLMEngine.add_request``).
+            RequestFailedError: the engine failed the request mid-way.
+            EngineDeadError: the step loop has stopped.
+        """
+        self.check_health()
+        request_id = request_id or uuid.uuid4().hex
+        params = sampling_params or SamplingParams(output_kind=RequestOutputKind.DELTA)
+        stream: asyncio.Queue = asyncio.Queue()
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        finished = False
+        try:
+            self._send(("add", request_id, prompt, params, added))
+            await asyncio.wrap_future(added)
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # cancelled or failed: aborting an unknown id does nothing
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request at the start of the next step (a no-op if it already ended)."""
+        self._send(("abort", request_id))
+
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` once the step loop has stopped."""
+        if self._dead is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine step loop has stopped: {self._dead!r}")
+
+    def stats(self) -> dict:
+        """The engine's counters (read without locking; each value is a plain int or float)."""
+        return self.engine.stats()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; pending and later calls fail with ``EngineDeadError``."""
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+        if self._dead is not None:  # no loop will read it: fail it here
+            self._fail_pending()
+
+    # ---- loop thread ---------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        try:
+            while not self._stopping:
+                self._wakeup.clear()
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait()
+                    continue
+                for output in self.engine.step():
+                    self._publish(output.request_id, output)
+            self._dead = EngineDeadError("the engine was shut down")
+        except BaseException as exc:  # noqa: BLE001 - report, then fail every waiter
+            logger.exception("engine step loop died")
+            self._dead = exc
+        self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        error = EngineDeadError(f"the engine step loop has stopped: {self._dead!r}")
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add" and not command[-1].done():
+                command[-1].set_exception(error)
+        for request_id in list(self._streams):
+            self._publish(request_id, error)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                self._add(*command[1:])
+            else:
+                output = self.engine.abort_request(command[1])
+                if output is not None:
+                    self._publish(command[1], output)
+
+    def _add(self, request_id, prompt, params, added: concurrent.futures.Future) -> None:
+        if not added.set_running_or_notify_cancel():
+            return  # the caller was cancelled before its request got here: never add it
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except Exception as exc:  # noqa: BLE001 - the caller gets it; the loop goes on
+            added.set_exception(exc)
+        else:
+            added.set_result(None)
+
+    def _publish(self, request_id: str, item) -> None:
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            loop, stream = entry
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:  # the caller's event loop has closed: nobody is listening
+                self._streams.pop(request_id, None)

@@ -1,0 +1,307 @@
+"""``LLMEngine``: requests in, one scheduled step at a time, ``RequestOutput``s out."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from engine.block_manager import BlockManager
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import DEFAULT_MODEL, LoadedModel, load_model
+from engine.model_runner import ModelRunner
+from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+# A prompt: text, token ids, or {"prompt": text, "prompt_token_ids": ids} (vLLM's forms).
+PromptType = Union[str, list[int], dict]
+
+
+class LLMEngine:
+    """The engine core: scheduler, block manager, model runner and detokenizers.
+
+    Not thread-safe: one caller (``LLM`` or ``AsyncLLM``'s loop thread) drives it.
+
+    Args:
+        config: engine settings.
+        loaded: an already loaded model; loaded from ``config.model`` when ``None``.
+
+    Raises:
+        ValueError: if ``max_model_len`` exceeds the model's ``max_position_embeddings``.
+    """
+
+    def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None) -> None:
+        loaded = loaded or load_model(config.model)
+        model_max = loaded.config.max_position_embeddings
+        sched = config.scheduler
+        if sched.max_model_len is None:
+            sched.max_model_len = model_max
+        elif sched.max_model_len > model_max:
+            raise ValueError(f"max_model_len ({sched.max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({model_max})")
+        self.config = config
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_id = _eos_token_id(loaded)
+        self.model_runner = ModelRunner(config, loaded)
+        self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(sched, self.block_manager)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention %s",
+                    config.model, self.model_runner.dtype, self.model_runner.device,
+                    self.block_manager.num_blocks, self.block_manager.block_size,
+                    self.model_runner.backend)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    sampling_params: Optional[SamplingParams] = None,
+                    arrival_time: Optional[float] = None) -> Request:
+        """Queue a request.
+
+        Raises:
+            ValueError: for an empty prompt, a token id outside the vocabulary, a prompt
+                plus ``max_tokens`` over ``max_model_len``, more KV blocks than the pool, a
+                text prompt without a tokenizer, or a duplicate ``request_id``.
+        """
+        params = sampling_params or SamplingParams()
+        text, token_ids = self._prompt_ids(prompt)
+        max_len = self.config.scheduler.max_model_len
+        max_tokens = params.max_tokens or max(1, max_len - len(token_ids))
+        request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
+                          sampling_params=params, eos_token_id=self.eos_token_id,
+                          max_tokens=max_tokens)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self.scheduler.add_request(request)
+        if self.tokenizer is not None:
+            self.detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.skip_special_tokens)
+        return request
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            if token_ids is None:
+                return self._prompt_ids(text)
+        elif isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenize(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        vocab_size = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary "
+                             f"[0, {vocab_size})")
+        return text, token_ids
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.config.model!r} has no tokenizer: "
+                             "pass prompt_token_ids instead of text")
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        """Stop a request and free its blocks. Returns its final output, ``None`` if unknown."""
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        return None if request is None else self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample, and report what changed.
+
+        An exception in the forward fails the requests of this step only: they finish
+        with ``finish_reason='abort'`` and ``error`` set, their blocks freed.
+
+        Returns:
+            Outputs of the requests that produced a token or finished, in the form their
+            ``SamplingParams.output_kind`` asks for.
+        """
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled:
+            return []
+        try:
+            sampled = self.model_runner.execute(scheduler_output)
+        except Exception as exc:  # noqa: BLE001 - the loop must outlive any one batch
+            logger.exception("step failed; failing its %d requests", len(scheduler_output.scheduled))
+            return self._fail(scheduler_output, f"{type(exc).__name__}: {exc}")
+        outputs = []
+        for request in self.scheduler.update(scheduler_output, sampled):
+            output = self._output(request, self._detokenize(request), request.output_token_ids[-1:])
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _fail(self, scheduler_output, message: str) -> list[RequestOutput]:
+        outputs = []
+        for scheduled in scheduler_output.scheduled:
+            request = self.scheduler.finish_request(scheduled.request_id, RequestStatus.FINISHED_ERROR)
+            if request is not None:
+                request.error = message
+                outputs.append(self._output(request))
+        return outputs
+
+    def _detokenize(self, request: Request) -> str:
+        detokenizer = self.detokenizers.get(request.request_id)
+        return "" if detokenizer is None else detokenizer.step(request.output_token_ids[-1])
+
+    def _output(self, request: Request, delta_text: str = "",
+                new_token_ids: Optional[list[int]] = None) -> Optional[RequestOutput]:
+        """Build the output ``output_kind`` asks for; drops the detokenizer once finished."""
+        kind = request.sampling_params.output_kind
+        finished = request.status.is_finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if kind == RequestOutputKind.DELTA:
+            text, token_ids = delta_text, new_token_ids or []
+        else:
+            detokenizer = self.detokenizers.get(request.request_id)
+            text = "" if detokenizer is None else detokenizer.output_text
+            token_ids = list(request.output_token_ids)
+        if finished:
+            self.detokenizers.pop(request.request_id, None)
+        completion = CompletionOutput(index=0, text=text, token_ids=token_ids,
+                                      finish_reason=request.status.finish_reason)
+        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                             prompt_token_ids=request.prompt_token_ids, outputs=[completion],
+                             finished=finished, error=request.error)
+
+    # ---- introspection -------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Counters for tests, logs and metrics."""
+        total = self.block_manager.num_blocks
+        free = self.block_manager.num_free_blocks
+        return {
+            "num_total_blocks": total,
+            "num_free_blocks": free,
+            "kv_cache_usage": (total - free) / total,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+
+def _eos_token_id(loaded: LoadedModel) -> Optional[int]:
+    if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
+        return loaded.tokenizer.eos_token_id
+    eos = getattr(loaded.config, "eos_token_id", None)
+    return eos[0] if isinstance(eos, list) else eos
+
+
+
+class LLM:
+    """Offline generation with vLLM's names: ``LLM(model=...).generate(prompts, params)``.
+
+    Args:
+        model: a model spec (see ``engine.loader``); the embedded SmolLM2-135M-Instruct by
+            default.
+        dtype, device, attention_backend, seed: as ``EngineConfig``.
+        block_size, kv_cache_memory_gb, gpu_memory_utilization, num_gpu_blocks: as
+            ``CacheConfig``.
+        max_num_seqs, max_num_batched_tokens, max_model_len: as ``SchedulerConfig``.
+
+    Attributes:
+        llm_engine: the ``LLMEngine``.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
+                 attention_backend: str = "auto", seed: int = 0, block_size: int = 16,
+                 kv_cache_memory_gb: float = 2.0, gpu_memory_utilization: float = 0.9,
+                 num_gpu_blocks: Optional[int] = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, max_model_len: Optional[int] = None) -> None:
+        config = EngineConfig(
+            model=model, dtype=dtype, device=device, attention_backend=attention_backend, seed=seed,
+            cache=CacheConfig(block_size=block_size, kv_cache_memory_gb=kv_cache_memory_gb,
+                              gpu_memory_utilization=gpu_memory_utilization,
+                              num_gpu_blocks=num_gpu_blocks),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len))
+        self.llm_engine = LLMEngine(config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; continuous batching over all of them.
+
+        Args:
+            prompts: one prompt or a list (text, token ids, or ``{"prompt_token_ids": ...}``).
+            sampling_params: one for all prompts, or one per prompt.
+            use_tqdm: show a progress bar of finished requests.
+
+        Returns:
+            One final ``RequestOutput`` per prompt, in input order.
+
+        Raises:
+            ValueError: for an invalid prompt (nothing is left queued) or a params list of
+                the wrong length.
+            RuntimeError: if the engine failed a request.
+        """
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
+                             f"{len(prompts)} prompts")
+        request_ids = self._add_requests(prompts, sampling_params)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: Union[list[dict], list[list[dict]]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the tokenizer's
+        chat template (with the generation prompt added)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self._chat_prompt(conversation) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _chat_prompt(self, conversation: list[dict]) -> dict:
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None or tokenizer.chat_template is None:
+            raise ValueError(f"model {self.llm_engine.config.model!r} has no chat template")
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        return {"prompt": text, "prompt_token_ids": self.llm_engine.tokenize(text, add_special_tokens=False)}
+
+    def _add_requests(self, prompts, sampling_params) -> list[str]:
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                request_id = str(next(self._counter))
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                self.llm_engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except ValueError:
+            for request_id in request_ids:
+                self.llm_engine.abort_request(request_id)
+            raise
+        return request_ids
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.error is not None:
+                        for request_id in request_ids:
+                            engine.abort_request(request_id)
+                        raise RuntimeError(f"request {output.request_id} failed: {output.error}")
+                    finished[output.request_id] = output
+                    bar.update()
+        return [finished[request_id] for request_id in request_ids]

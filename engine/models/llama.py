@@ -1,0 +1,243 @@
+"""The Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral, SmolLM2) over a paged KV cache.
+
+The forward takes the step's flattened token batch (no padding, no batch dimension):
+``input_ids [num_tokens]`` and ``positions [num_tokens]``, plus an ``AttentionMetadata``
+passed down explicitly. Numerics follow transformers' ``LlamaForCausalLM`` op for op (RMSNorm
+in fp32, RoPE tables in fp32), so that fp32 greedy output matches it token for token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each token of the step reads and writes the paged KV cache.
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64, flat cache slot of each new token's K/V.
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32.
+        query_start_loc: ``[num_seqs + 1]`` int32, cumulative query lengths.
+        seq_lens: ``[num_seqs]`` int32, tokens per sequence including this step's.
+        backend: ``"torch"`` or ``"triton"``, see ``kernels``.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    backend: str
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32 (Zhang & Sennrich 2019; transformers' order)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies ``[head_dim // 2]`` fp32 and the cos/sin scaling factor.
+
+    The default is Su et al. 2021, ``1 / theta ** (2i / head_dim)``; scaled variants
+    (``llama3``, ``linear``, ``yarn``, ...) come from transformers' ``ROPE_INIT_FUNCTIONS``.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        return ROPE_INIT_FUNCTIONS[rope_type](config)
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    dim = head_dim_of(config)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    return inv_freq, 1.0
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables ``[max_position, head_dim]``, fp32, indexed by position."""
+
+    def __init__(self, config, max_position: int) -> None:
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(config)
+        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns cos, sin: ``[num_tokens, 1, head_dim]`` in ``dtype``."""
+        return self.cos[positions].to(dtype)[:, None], self.sin[positions].to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x: [num_tokens, num_heads, head_dim]`` (the rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.scale = self.head_dim ** -0.5
+        self.layer_idx = layer_idx
+        bias = has_qkv_bias(config)
+        qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size,
+                                bias=getattr(config, "attention_bias", False) and not is_qwen2(config))
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+        o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                    meta.seq_lens, self.scale, backend=meta.backend)
+        return self.o_proj(o.view(num_tokens, q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with one fused gate/up projection."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over the project's paged attention.
+
+    Args:
+        config: a transformers config of the Llama family (``LlamaConfig``, ``Qwen2Config``,
+            ``MistralConfig``).
+        max_position: length of the RoPE tables (the engine's ``max_model_len``).
+    """
+
+    def __init__(self, config, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, max_position)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Run the decoder over the step's tokens.
+
+        Args:
+            input_ids: ``[num_tokens]`` int64.
+            positions: ``[num_tokens]`` int64, each token's position in its sequence.
+            kv_caches: per layer ``(k_cache, v_cache)``, each
+                ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+            meta: the step's attention metadata.
+
+        Returns:
+            Final hidden states ``[num_tokens, hidden_size]`` in the model's dtype.
+        """
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden_size]`` -> fp32 logits ``[n, vocab_size]``."""
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load transformers-named weights, fusing q/k/v and gate/up projections.
+
+        Raises:
+            KeyError: naming any weight the model needs that ``state_dict`` lacks.
+        """
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in _fused_weights(state_dict, self.tie_word_embeddings).items():
+            if name not in params:
+                continue
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise KeyError(f"weights missing from the checkpoint: {missing[:5]}"
+                           f"{' ...' if len(missing) > 5 else ''}")
+
+
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _fused_weights(state_dict: dict[str, torch.Tensor], tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
+    """Map transformers' names (``model.layers.0.self_attn.q_proj.weight``) to ours, fusing
+    q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj`` (concatenated on dim 0)."""
+    weights = {name.removeprefix("model."): tensor for name, tensor in state_dict.items()}
+    if tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    for fused, members in _FUSED.items():
+        first = f".{members[0]}."
+        for name in [n for n in weights if first in n]:
+            parts = [weights.pop(name.replace(first, f".{m}.")) for m in members]
+            weights[name.replace(first, f".{fused}.")] = torch.cat(parts, dim=0)
+    return weights
+
+
+def is_qwen2(config) -> bool:
+    return getattr(config, "model_type", "") == "qwen2"
+
+
+def has_qkv_bias(config) -> bool:
+    """Qwen2 always has q/k/v biases; Llama has them when ``attention_bias`` is set."""
+    return is_qwen2(config) or bool(getattr(config, "attention_bias", False))

@@ -1,0 +1,137 @@
+"""Pure-torch reference kernels: the single source of truth for KV storage and paged attention.
+
+Every other implementation (the Triton kernels, any fast CPU path) is tested against these
+two functions, and the CPU engine runs them directly. They favour obviousness over speed:
+one Python loop over sequences, fp32 arithmetic inside.
+
+Cache layout (vLLM's, see DESIGN.md): per layer, ``k_cache`` and ``v_cache`` are
+``[num_blocks, block_size, num_kv_heads, head_dim]``. Token position ``p`` of a sequence
+lives in physical block ``block_table[p // block_size]`` at offset ``p % block_size``; its
+flat slot is ``block_id * block_size + offset``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write the new tokens' keys and values into their cache slots, in place.
+
+    Args:
+        key: ``[num_tokens, num_kv_heads, head_dim]``, the cache's dtype.
+        value: ``[num_tokens, num_kv_heads, head_dim]``, the cache's dtype.
+        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        slot_mapping: ``[num_tokens]``, int64 flat slot per token; a slot of -1 is skipped
+            (a padding token that owns no slot).
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = key[keep]
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = value[keep]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a flattened batch of query tokens over a paged KV cache.
+
+    One op serves prefill chunks and decode tokens alike: the query tokens of sequence ``i``
+    are ``query[query_start_loc[i]:query_start_loc[i + 1]]`` and are the *last*
+    ``query_len_i`` positions of its ``seq_lens[i]`` tokens, whose K/V are already in the
+    cache. Query token ``j`` (absolute position ``seq_lens[i] - query_len_i + j``) attends
+    to cache positions ``0 ..= its own position``. Query head ``h`` reads KV head
+    ``h // (num_heads // num_kv_heads)`` (grouped-query attention, any group size).
+
+    Decode tokens (query length 1) are computed together over K/V gathered into one padded
+    batch; longer queries one sequence at a time. Both use torch's
+    ``scaled_dot_product_attention``, which accumulates in fp32.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]``, fp32, fp16 or bf16.
+        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype.
+        v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype.
+        block_tables: ``[num_seqs, max_blocks_per_seq]``, int32; entries past a sequence's
+            last block are ignored (any value, -1 included), as are cache slots past its
+            length (any value, NaN included).
+        query_start_loc: ``[num_seqs + 1]``, int32, cumulative query lengths starting at 0.
+        seq_lens: ``[num_seqs]``, int32, each sequence's total length including its new
+            tokens.
+        scale: the softmax scale, usually ``head_dim ** -0.5``.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype. Rows of tokens that
+        belong to no sequence are unspecified.
+    """
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    if decodes:
+        _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, decodes, scale, out)
+    for i, seq_len in enumerate(lens):
+        if starts[i + 1] - starts[i] > 1:
+            blocks = block_tables[i, :_cdiv(seq_len, k_cache.shape[1])].long()
+            k = k_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
+            v = v_cache[blocks].flatten(0, 1)[:seq_len]
+            q = query[starts[i]:starts[i + 1]]  # [query_len, num_heads, head_dim]
+            allowed = _causal_mask(q.shape[0], seq_len, q.device)
+            o = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                      allowed, scale)
+            out[starts[i]:starts[i + 1]] = o[0].transpose(0, 1)
+    return out
+
+
+def _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, rows, scale, out) -> None:
+    """Query-length-1 sequences ``rows`` at once, over K/V padded to the longest of them."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    device = query.device
+    max_blocks = _cdiv(max(lens[i] for i in rows), block_size)
+    rows_t = torch.tensor(rows, device=device)
+    tables = block_tables[rows_t, :max_blocks].long().clamp_(0, num_blocks - 1).flatten()
+    padded_len = max_blocks * block_size
+    # k, v: [num_rows, padded_len, num_kv_heads, head_dim]
+    k = k_cache.index_select(0, tables).view(len(rows), padded_len, num_kv_heads, head_dim)
+    v = v_cache.index_select(0, tables).view(len(rows), padded_len, num_kv_heads, head_dim)
+    seq_lens = torch.tensor([lens[i] for i in rows], device=device)
+    valid = torch.arange(padded_len, device=device)[None, :] < seq_lens[:, None]
+    # A slot past a sequence's end may hold anything, NaN included, and a mask cannot hide
+    # NaN (NaN - inf and 0 * NaN are NaN): zero the padding rows.
+    padding = (~valid).flatten().nonzero().squeeze(1)
+    k.view(-1, num_kv_heads * head_dim).index_fill_(0, padding, 0)
+    v.view(-1, num_kv_heads * head_dim).index_fill_(0, padding, 0)
+    token_index = torch.tensor([starts[i] for i in rows], device=device)
+    q = query[token_index][:, :, None]  # [num_rows, num_heads, 1, head_dim]
+    o = _sdpa(q, k.transpose(1, 2), v.transpose(1, 2), valid[:, None, None, :], scale)
+    out[token_index] = o[:, :, 0]
+
+
+def _sdpa(q, k, v, allowed, scale) -> torch.Tensor:
+    """q: ``[batch, num_heads, query_len, head_dim]``; k, v: ``[batch, num_kv_heads, kv_len,
+    head_dim]``; allowed: bool, broadcastable to ``[batch, num_heads, query_len, kv_len]``."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+
+
+def _causal_mask(query_len: int, seq_len: int, device) -> torch.Tensor:
+    """``[query_len, seq_len]`` bool: query j (position seq_len - query_len + j) sees keys
+    at positions up to its own."""
+    q_pos = torch.arange(seq_len - query_len, seq_len, device=device)
+    return torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,107 @@
+"""Shared fixtures for engine tests: the default model in fp32, transformers' reference,
+and prompts of mixed lengths cut from a fixed English passage."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+PASSAGE = """\
+The old lighthouse keeper kept a logbook for forty-one years, and every entry began the same
+way: the date, the direction of the wind, and the colour of the sea at dawn. On calm mornings
+he wrote that the water was the grey of a pigeon's wing; in winter storms he wrote only
+"black" and underlined it twice. Visitors who came to the island in summer were allowed to
+read the early volumes, which were kept in a glass case beside the spiral stairs. Most of
+them expected adventure, shipwrecks and rescues, and some of that was there. In the spring
+of one year a fishing boat lost its rudder on the reef, and the keeper rowed out with a rope
+and a lantern and brought four men home before the tide turned. But the greater part of the
+logbook recorded small, patient work: the lamp trimmed at dusk, the brass polished, the
+clockwork that turned the lens wound every four hours through the night. He counted the
+birds that struck the glass during migration and buried them in a row behind the cottage.
+He noted when the first swallows arrived and when the last ones left, and over the decades
+the dates crept earlier in spring and later in autumn, a change he remarked on without
+trying to explain. When electricity came to the island, the clockwork was removed and sent
+to a museum on the mainland. The keeper stayed on for three more years, though there was
+little left for him to do, and the entries in those final volumes grow shorter and stranger.
+"Wind north-east. Sea like pewter. Nothing to wind." A historian who studied the logbooks
+later argued that they were one of the best continuous records of coastal weather in the
+country, more reliable than the official station on the headland because the keeper never
+missed a day. Scientists have since used his notes on sea colour, wave height and bird
+arrivals to check their models of how the climate of the coast has shifted over a century.
+The keeper himself never read any of this work. He moved to a small house in the harbour
+town, grew beans and potatoes, and walked to the end of the pier each evening to watch the
+new automatic light come on. Neighbours said he would stand there until he had counted
+three full turns of the beam, then nod, as if satisfied that it was doing its job properly,
+and walk home again. His granddaughter, who became an engineer, keeps the last logbook on
+her desk. She says that it taught her the most important lesson of her profession: that
+the systems people depend on are kept running not by brilliant inventions alone, but by
+someone who checks them, writes down what they see, and comes back the next day to check
+again. Every new machine she designs has a place for a logbook, even if it is only a file
+that nobody but her will ever open.
+"""
+
+# Lengths around block boundaries (block_size 16), short, and one long prompt.
+PROMPT_LENGTHS = [1, 7, 15, 16, 17, 24, 31, 32, 33, 48, 64, 97, 128, 200, 256, 333, 420, 450]
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    from engine.loader import gguf_cache_dir, smollm2_gguf_path
+
+    return gguf_cache_dir(smollm2_gguf_path())
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def mixed_prompts(tokenizer) -> list[list[int]]:
+    ids = tokenizer(PASSAGE).input_ids
+    assert len(ids) > max(PROMPT_LENGTHS) + 64
+    return [ids[(37 * i) % (len(ids) - n):][:n] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' own load of the GGUF (not our cache), fp32."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    return model
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_expected(hf_model, mixed_prompts) -> list[list[int]]:
+    return [hf_greedy(hf_model, p, MAX_TOKENS) for p in mixed_prompts]
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The default model in fp32 with default settings, shared by tests that leave it idle."""
+    from engine import LLM
+
+    return LLM(dtype="float32")
+
+
+def assert_idle(llm) -> None:
+    """Invariant 2: an idle engine has every block free and nothing queued."""
+    stats = llm.llm_engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+    assert llm.llm_engine.block_manager.block_tables == {}

@@ -1,0 +1,152 @@
+"""AsyncLLM: streamed deltas, concurrency, cancellation, failures that spare the loop."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine import EngineConfig, SamplingParams
+from engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from engine.sampling_params import RequestOutputKind
+from tests.engine.conftest import assert_idle
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
+           "def fibonacci(n):", "Once upon a time", "The three primary colours are"]
+
+
+@pytest.fixture(scope="module")
+def async_llm():
+    engine = AsyncLLM(config=EngineConfig(dtype="float32"))
+    yield engine
+    engine.shutdown()
+
+
+def greedy(max_tokens, **kwargs):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                          output_kind=RequestOutputKind.DELTA, **kwargs)
+
+
+async def collect(async_llm, prompt, params, request_id=None):
+    texts, token_ids, finish = [], [], None
+    async for out in async_llm.generate(prompt, params, request_id):
+        texts.append(out.outputs[0].text)
+        token_ids += out.outputs[0].token_ids
+        finish = out.outputs[0].finish_reason
+    return texts, token_ids, finish
+
+
+async def wait_idle(async_llm, timeout=2.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = async_llm.stats()
+        if stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]:
+            return stats
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine not idle after {timeout}s: {async_llm.stats()}")
+
+
+def test_deltas_concatenate_to_the_offline_output(async_llm, llm):
+    async def main():
+        return await collect(async_llm, PROMPTS[0], greedy(24))
+
+    texts, token_ids, finish = asyncio.run(main())
+    (offline,) = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    assert len(texts) == len(token_ids) > 1  # one delta per step
+    assert token_ids == offline.outputs[0].token_ids
+    assert "".join(texts) == offline.outputs[0].text
+    assert finish == offline.outputs[0].finish_reason
+    assert_idle(_Wrap(async_llm))
+
+
+def test_concurrent_requests_each_match_their_solo_run(async_llm, llm):
+    async def main():
+        return await asyncio.gather(*(collect(async_llm, p, greedy(16)) for p in PROMPTS))
+
+    results = asyncio.run(main())
+    solo = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    assert [r[1] for r in results] == [o.outputs[0].token_ids for o in solo]
+    assert_idle(_Wrap(async_llm))
+
+
+def test_cancelling_the_consumer_aborts_and_frees_blocks(async_llm):
+    async def main():
+        first = asyncio.Event()
+
+        async def consume(i):
+            async for _ in async_llm.generate(PROMPTS[i], greedy(500, ignore_eos=True)):
+                first.set()
+
+        tasks = [asyncio.create_task(consume(i)) for i in range(4)]
+        await first.wait()
+        assert async_llm.stats()["num_running"] >= 1
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return await wait_idle(async_llm)
+
+    stats = asyncio.run(main())
+    assert stats["num_waiting"] == 0
+
+
+def test_invalid_request_raises_value_error_and_the_loop_goes_on(async_llm):
+    async def main():
+        with pytest.raises(ValueError, match="prompt is empty"):
+            await collect(async_llm, [], greedy(4))
+        with pytest.raises(ValueError, match="max_model_len"):
+            await collect(async_llm, [1] * 10, greedy(9000))
+        return await collect(async_llm, PROMPTS[2], greedy(4))
+
+    texts, token_ids, finish = asyncio.run(main())
+    assert len(token_ids) == 4 and finish == "length"
+    async_llm.check_health()
+
+
+def test_a_failing_step_fails_only_its_requests(async_llm, monkeypatch):
+    runner = async_llm.engine.model_runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def execute_failing_once(output):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return real_execute(output)
+
+    monkeypatch.setattr(runner, "execute", execute_failing_once)
+
+    async def main():
+        with pytest.raises(RequestFailedError, match="RuntimeError: injected fault"):
+            await collect(async_llm, PROMPTS[3], greedy(8))
+        return await collect(async_llm, PROMPTS[3], greedy(8))
+
+    texts, token_ids, finish = asyncio.run(main())
+    assert len(token_ids) == 8
+    async_llm.check_health()
+    assert_idle(_Wrap(async_llm))
+
+
+def test_a_dead_loop_is_reported():
+    engine = AsyncLLM(config=EngineConfig(model="dummy:tiny-llama", dtype="float32"))
+
+    def broken_schedule():
+        raise RuntimeError("scheduler bug")
+
+    engine.engine.scheduler.schedule = broken_schedule
+
+    async def main():
+        with pytest.raises(EngineDeadError):
+            await collect(engine, [1, 2, 3], greedy(4))
+        with pytest.raises(EngineDeadError):
+            await collect(engine, [1, 2, 3], greedy(4))
+
+    asyncio.run(main())
+    with pytest.raises(EngineDeadError, match="scheduler bug"):
+        engine.check_health()
+
+
+class _Wrap:
+    """Lets ``assert_idle`` read an AsyncLLM's engine like an ``LLM``'s."""
+
+    def __init__(self, async_llm):
+        self.llm_engine = async_llm.engine

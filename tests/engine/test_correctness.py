@@ -1,0 +1,60 @@
+"""Invariant 1: greedy fp32 output equals transformers' generate(), token for token, alone
+and in any batch, across block boundaries, chunked prefill and preemption."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine.conftest import MAX_TOKENS, PROMPT_LENGTHS, assert_idle
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_prompt_lengths_cover_block_boundaries(mixed_prompts):
+    assert [len(p) for p in mixed_prompts] == PROMPT_LENGTHS
+    assert {15, 16, 17, 31, 32, 33} <= set(PROMPT_LENGTHS) and max(PROMPT_LENGTHS) >= 400
+
+
+def test_each_prompt_alone_matches_transformers(llm, mixed_prompts, hf_expected):
+    for prompt, expected in zip(mixed_prompts, hf_expected):
+        (output,) = llm.generate(prompt, GREEDY, use_tqdm=False)
+        assert output.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens"
+        assert output.outputs[0].finish_reason == "length"
+    assert_idle(llm)
+
+
+def test_one_batch_matches_transformers(llm, mixed_prompts, hf_expected):
+    outputs = llm.generate(mixed_prompts, GREEDY, use_tqdm=False)
+    assert _token_ids(outputs) == hf_expected
+    assert [o.prompt_token_ids for o in outputs] == mixed_prompts
+    assert_idle(llm)
+
+
+def test_preemption_keeps_output_identical(mixed_prompts, hf_expected):
+    # 40 blocks of 16 = 640 slots: the 450-token prompt alone needs 31 blocks, so the batch
+    # cannot all fit and running requests get preempted and recomputed.
+    llm = LLM(dtype="float32", num_gpu_blocks=40)
+    outputs = llm.generate(mixed_prompts, GREEDY, use_tqdm=False)
+    assert llm.llm_engine.stats()["num_preemptions"] >= 1
+    assert _token_ids(outputs) == hf_expected
+    assert_idle(llm)
+
+
+def test_chunked_prefill_keeps_output_identical(mixed_prompts, hf_expected):
+    # A 64-token budget splits every prompt over 64 tokens into chunks (450 -> 8 chunks).
+    llm = LLM(dtype="float32", max_num_batched_tokens=64, max_num_seqs=8)
+    outputs = llm.generate(mixed_prompts, GREEDY, use_tqdm=False)
+    assert _token_ids(outputs) == hf_expected
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_other_block_sizes(mixed_prompts, hf_expected, block_size):
+    llm = LLM(dtype="float32", block_size=block_size, num_gpu_blocks=4096 // block_size)
+    outputs = llm.generate(mixed_prompts[:9], GREEDY, use_tqdm=False)
+    assert _token_ids(outputs) == hf_expected[:9]
+    assert_idle(llm)
