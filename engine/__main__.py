@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
                                 max_tokens=args.max_tokens)  # bad values fail before loading
         run_prompt(_build_llm(args), args, params)
         return
+    if not args.workload.is_file():
+        raise SystemExit(f"--workload: no such file: {args.workload}")
     llm = _build_llm(args)
     summary = run_workload(llm, args.workload)
     print(f"requests: {summary['requests']}  output tokens: {summary['output_tokens']}  "

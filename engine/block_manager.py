@@ -1,11 +1,14 @@
-"""The KV block pool: a free queue, ref counts and per-request block tables. No torch.
+"""The KV block pool: a free queue, ref counts and per-sequence block tables. No torch.
 
-A request's block table lists the physical blocks holding its tokens in order: token
+A sequence's block table lists the physical blocks holding its tokens in order: token
 position ``p`` lives in ``block_table[p // block_size]`` at offset ``p % block_size``.
+Sequences forked from one prompt share its blocks by reference count; the first write into
+a shared block copies it (copy-on-write), so only a partial last block is ever copied.
 """
 from __future__ import annotations
 
 from collections import deque
+from typing import Optional
 
 
 def cdiv(a: int, b: int) -> int:
@@ -41,13 +44,19 @@ class BlockManager:
         """Blocks needed to hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
         return cdiv(num_tokens, self.block_size)
 
-    def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
-        """Blocks to add to the request's table so that it holds ``num_tokens`` tokens."""
-        have = len(self.block_tables.get(request_id, ()))
-        return max(0, self.num_blocks_for(num_tokens) - have)
+    def num_new_blocks(self, request_id: str, num_tokens: int, write_position: Optional[int] = None) -> int:
+        """Free blocks needed so that the table holds ``num_tokens`` tokens, plus one if the
+        block holding ``write_position`` (the first token to be written) is shared."""
+        table = self.block_tables.get(request_id, [])
+        grow = max(0, self.num_blocks_for(num_tokens) - len(table))
+        return grow + int(write_position is not None and self._is_shared(table, write_position))
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.num_new_blocks(request_id, num_tokens) <= self.num_free_blocks
+    def can_allocate(self, request_id: str, num_tokens: int, write_position: Optional[int] = None) -> bool:
+        return self.num_new_blocks(request_id, num_tokens, write_position) <= self.num_free_blocks
+
+    def _is_shared(self, table: list[int], position: int) -> bool:
+        index = position // self.block_size
+        return index < len(table) and self.ref_counts[table[index]] > 1
 
     def allocate(self, request_id: str, num_tokens: int) -> list[int]:
         """Grow the request's block table to hold ``num_tokens`` tokens.
@@ -67,6 +76,36 @@ class BlockManager:
             self.ref_counts[block_id] = 1
         self.block_tables.setdefault(request_id, []).extend(new_blocks)
         return new_blocks
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give ``child_id`` the parent's blocks, shared: each gains a reference."""
+        table = list(self.block_tables[parent_id])
+        for block_id in table:
+            self.ref_counts[block_id] += 1
+        self.block_tables[child_id] = table
+
+    def copy_on_write(self, request_id: str, position: int) -> Optional[tuple[int, int]]:
+        """Make the block that will hold ``position`` private to the request before a write.
+
+        Returns:
+            ``(src, dst)``: the shared block and its new private copy, whose contents the
+            model runner must copy before the step's forward; ``None`` when the block is
+            already private or not allocated yet.
+
+        Raises:
+            NoFreeBlocksError: when a copy is needed and no block is free.
+        """
+        table = self.block_tables.get(request_id, [])
+        if not self._is_shared(table, position):
+            return None
+        if not self.free_block_queue:
+            raise NoFreeBlocksError(f"request {request_id!r} needs a block to copy, none free")
+        index = position // self.block_size
+        src, dst = table[index], self.free_block_queue.popleft()
+        self.ref_counts[src] -= 1
+        self.ref_counts[dst] = 1
+        table[index] = dst
+        return src, dst
 
     def free(self, request_id: str) -> None:
         """Drop the request's references; blocks whose count reaches 0 return to the pool.

@@ -10,10 +10,10 @@ from tqdm.auto import tqdm
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import DEFAULT_MODEL, LoadedModel, load_model
 from engine.model_runner import ModelRunner
-from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from engine.output_processor import OutputProcessor
+from engine.request import Request, RequestOutput, RequestStatus
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler
 
@@ -52,7 +52,7 @@ class LLMEngine:
         self.model_runner = ModelRunner(config, loaded)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(sched, self.block_manager)
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
         logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention %s",
                     config.model, self.model_runner.dtype, self.model_runner.device,
                     self.block_manager.num_blocks, self.block_manager.block_size,
@@ -66,12 +66,15 @@ class LLMEngine:
         """Queue a request.
 
         Raises:
-            ValueError: for an empty prompt, a token id outside the vocabulary, a prompt
-                plus ``max_tokens`` over ``max_model_len``, more KV blocks than the pool, a
-                text prompt without a tokenizer, or a duplicate ``request_id``.
+            ValueError: naming the field and limit, for an empty prompt, a token id outside
+                the vocabulary (prompt, ``logit_bias``, ``stop_token_ids``), a prompt plus
+                ``max_tokens`` over ``max_model_len``, more KV blocks than the pool, ``n``
+                over ``max_num_seqs``, text or stop strings without a tokenizer, or a
+                duplicate ``request_id``.
         """
         params = sampling_params or SamplingParams()
         text, token_ids = self._prompt_ids(prompt)
+        self._check_params(params)
         max_len = self.config.scheduler.max_model_len
         max_tokens = params.max_tokens or max(1, max_len - len(token_ids))
         request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
@@ -80,9 +83,7 @@ class LLMEngine:
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)
-        if self.tokenizer is not None:
-            self.detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, token_ids, params.skip_special_tokens)
+        self.output_processor.add_request(request)
         return request
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -94,12 +95,22 @@ class LLMEngine:
             text, token_ids = prompt, self.tokenize(prompt)
         else:
             text, token_ids = None, list(prompt)
+        self._check_token_ids("prompt_token_ids", token_ids)
+        return text, token_ids
+
+    def _check_params(self, params: SamplingParams) -> None:
+        self._check_token_ids("logit_bias", list(params.logit_bias))
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop: model {self.config.model!r} has no tokenizer to match "
+                             "stop strings; use stop_token_ids")
+
+    def _check_token_ids(self, field_name: str, token_ids: list) -> None:
         vocab_size = self.model_config.vocab_size
         bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
         if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary "
+            raise ValueError(f"{field_name}: token id {bad!r} is outside the vocabulary "
                              f"[0, {vocab_size})")
-        return text, token_ids
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -108,9 +119,14 @@ class LLMEngine:
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
-        """Stop a request and free its blocks. Returns its final output, ``None`` if unknown."""
-        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        return None if request is None else self._output(request)
+        """Stop all sequences of a request and free their blocks.
+
+        Returns:
+            Its final output (finish_reason 'abort'), ``None`` if the request is unknown.
+        """
+        self._finish_requests([request_id], RequestStatus.FINISHED_ABORTED, error=None)
+        outputs = self.output_processor.make_outputs()
+        return outputs[0] if outputs else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -133,48 +149,26 @@ class LLMEngine:
         try:
             sampled = self.model_runner.execute(scheduler_output)
         except Exception as exc:  # noqa: BLE001 - the loop must outlive any one batch
-            logger.exception("step failed; failing its %d requests", len(scheduler_output.scheduled))
-            return self._fail(scheduler_output, f"{type(exc).__name__}: {exc}")
-        outputs = []
-        for request in self.scheduler.update(scheduler_output, sampled):
-            output = self._output(request, self._detokenize(request), request.output_token_ids[-1:])
-            if output is not None:
-                outputs.append(output)
-        return outputs
+            logger.exception("step failed; failing its %d sequences", len(scheduler_output.scheduled))
+            request_ids = {self.scheduler.requests[s.seq_id].request_id
+                           for s in scheduler_output.scheduled}
+            self._finish_requests(request_ids, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}")
+            return self.output_processor.make_outputs()
+        for sequence, token in self.scheduler.update(scheduler_output, sampled):
+            stop = self.output_processor.add_token(sequence, token)
+            if stop is not None and not sequence.status.is_finished:
+                sequence.stop_reason = stop
+                self.scheduler.finish_request(sequence.seq_id, RequestStatus.FINISHED_STOPPED)
+        return self.output_processor.make_outputs()
 
-    def _fail(self, scheduler_output, message: str) -> list[RequestOutput]:
-        outputs = []
-        for scheduled in scheduler_output.scheduled:
-            request = self.scheduler.finish_request(scheduled.request_id, RequestStatus.FINISHED_ERROR)
-            if request is not None:
-                request.error = message
-                outputs.append(self._output(request))
-        return outputs
-
-    def _detokenize(self, request: Request) -> str:
-        detokenizer = self.detokenizers.get(request.request_id)
-        return "" if detokenizer is None else detokenizer.step(request.output_token_ids[-1])
-
-    def _output(self, request: Request, delta_text: str = "",
-                new_token_ids: Optional[list[int]] = None) -> Optional[RequestOutput]:
-        """Build the output ``output_kind`` asks for; drops the detokenizer once finished."""
-        kind = request.sampling_params.output_kind
-        finished = request.status.is_finished
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        if kind == RequestOutputKind.DELTA:
-            text, token_ids = delta_text, new_token_ids or []
-        else:
-            detokenizer = self.detokenizers.get(request.request_id)
-            text = "" if detokenizer is None else detokenizer.output_text
-            token_ids = list(request.output_token_ids)
-        if finished:
-            self.detokenizers.pop(request.request_id, None)
-        completion = CompletionOutput(index=0, text=text, token_ids=token_ids,
-                                      finish_reason=request.status.finish_reason)
-        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=request.prompt_token_ids, outputs=[completion],
-                             finished=finished, error=request.error)
+    def _finish_requests(self, request_ids, status: RequestStatus, error: Optional[str]) -> None:
+        """End every live sequence of the given requests, freeing their blocks."""
+        for request_id in request_ids:
+            for seq_id in self.output_processor.seq_ids(request_id):
+                sequence = self.scheduler.finish_request(seq_id, status)
+                if sequence is not None:
+                    sequence.error = error
+                    self.output_processor.mark_finished(sequence)
 
     # ---- introspection -------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ import kernels
 from engine.config import EngineConfig
 from engine.loader import LoadedModel
 from engine.models import AttentionMetadata, build_model
-from engine.sampler import Sampler
+from engine.request import SampledToken
+from engine.sampler import Sampler, SamplingRow
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,8 @@ class ModelRunner:
         self.model = self._build_model(loaded)
         self.sampler = Sampler(self.device, config.seed)
         self.num_blocks = self._num_kv_blocks()
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+        self.kv_caches = _per_layer(self.kv_cache)
 
     # ---- set-up --------------------------------------------------------------------------
 
@@ -157,7 +159,7 @@ class ModelRunner:
         seq_len = min(num_tokens, sched.max_model_len)
         num_seqs = -(-num_tokens // seq_len)
         blocks_per_seq = -(-seq_len // self.block_size)
-        caches = self._allocate_kv_cache(num_seqs * blocks_per_seq)
+        caches = _per_layer(self._allocate_kv_cache(num_seqs * blocks_per_seq))
         torch.cuda.reset_peak_memory_stats()
         self._dummy_forward(caches, num_seqs, seq_len, blocks_per_seq, num_tokens)
         torch.cuda.synchronize()
@@ -184,32 +186,44 @@ class ModelRunner:
         hidden = self.model(ids, positions.to(self.device), caches, meta)
         self.model.compute_logits(hidden[: self.config.scheduler.max_num_seqs])
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads,
-        head_dim]``, zeroed so that unused slots never hold NaN."""
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``, zeroed
+        so that unused slots never hold NaN."""
         shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        return [(cache[i, 0], cache[i, 1]) for i in range(self.num_layers)]
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # ---- one step ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Run one forward over the scheduled tokens and sample the rows that finish a prompt
-        or decode.
+    def execute(self, output: SchedulerOutput) -> dict[str, list[SampledToken]]:
+        """Copy shared blocks, run one forward over the scheduled tokens, and sample the
+        sequences that finish a prompt or decode.
 
         Returns:
-            request id -> sampled token id, for scheduled requests with ``do_sample``.
+            seq id -> its ``num_samples`` new tokens, for scheduled sequences with
+            ``do_sample``.
         """
+        self._copy_blocks(output.blocks_to_copy)
         batch = self.prepare_inputs(output)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if not batch.sample_rows:
             return {}
+        scheduled = [output.scheduled[i] for i in batch.sample_rows]
+        # A forking sequence's logits row is drawn from once per sequence of its request.
+        repeats = [s.num_samples for s in scheduled]
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        rows = [output.scheduled[i] for i in batch.sample_rows]
-        tokens = self.sampler(logits, [r.sampling_params for r in rows],
-                              [r.num_output_tokens for r in rows])
-        return {r.request_id: t for r, t in zip(rows, tokens)}
+        logits = logits.repeat_interleave(torch.tensor(repeats, device=self.device), dim=0)
+        rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids,
+                            s.seq_index + j, s.eos_token_id)
+                for s in scheduled for j in range(s.num_samples)]
+        tokens = iter(self.sampler(logits, rows))
+        return {s.seq_id: [next(tokens) for _ in range(s.num_samples)] for s in scheduled}
+
+    def _copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks ``src -> dst`` in every layer (copy-on-write of forks)."""
+        if blocks_to_copy:
+            src, dst = (torch.tensor(x, device=self.device) for x in zip(*blocks_to_copy))
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     def prepare_inputs(self, output: SchedulerOutput) -> BatchInputs:
         """Build the flattened batch tensors of DESIGN.md from a ``SchedulerOutput``."""
@@ -241,6 +255,12 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+
+def _per_layer(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ``(k_cache, v_cache)`` views, each ``[num_blocks, block_size, num_kv_heads,
+    head_dim]``."""
+    return [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
 
 
 @torch.no_grad()

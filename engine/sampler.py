@@ -1,96 +1,215 @@
-"""Logits to token ids, vectorised over the batch with per-row parameters."""
+"""Logits to tokens, vectorised over the batch with per-row parameters.
+
+The order of processing, per row, is ``SamplingParams``'s docstring: logit bias, the
+``min_tokens`` mask, repetition then presence/frequency penalties, logprobs, then greedy
+argmax or temperature, top-k/top-p/min-p truncation and a draw.
+"""
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
+from engine.request import SampledToken
 from engine.sampling_params import SamplingParams
 
 
-def request_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
-    """A generator for token ``index`` of a seeded request.
+@dataclass(slots=True)
+class SamplingRow:
+    """One token to draw: a row of logits and what it needs to know.
 
-    Seeding from ``(seed, index)`` rather than keeping a generator per request makes a
-    seeded request's output depend only on its prompt, parameters and seed: not on what
-    else shares the batch, nor on preemption and recompute.
+    Attributes:
+        params: the request's sampling parameters.
+        prompt_token_ids, output_token_ids: the sequence so far (penalties, ``min_tokens``).
+        seq_index: which of the request's ``n`` sequences the token is for (seeds).
+        eos_token_id: masked while ``min_tokens`` is not reached, unless ``ignore_eos``.
     """
-    return torch.Generator(device).manual_seed(hash((seed, index)) & (2**63 - 1))
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    seq_index: int = 0
+    eos_token_id: Optional[int] = None
+
+
+def request_generator(seed: int, seq_index: int, token_index: int, device: torch.device) -> torch.Generator:
+    """The generator for token ``token_index`` of sequence ``seq_index`` of a seeded request.
+
+    Seeding from ``(seed, seq_index, token_index)`` instead of keeping a generator per
+    request makes a seeded request's output depend only on its prompt, parameters and seed:
+    not on what else shares the batch, nor on preemption and recompute.
+    """
+    return torch.Generator(device).manual_seed(hash((seed, seq_index, token_index)) & (2**63 - 1))
 
 
 class Sampler:
-    """Greedy, temperature, top-k and top-p sampling.
+    """Picks one token per row.
 
     Args:
         device: where logits live.
-        seed: seeds the shared generator used by unseeded sampled rows.
+        seed: seeds the shared generator of unseeded sampled rows.
     """
 
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = torch.device(device)
         self.generator = torch.Generator(self.device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 output_indices: Sequence[int]) -> list[int]:
-        """Pick one token per row.
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        """Process ``logits`` and draw one token per row.
 
         Args:
-            logits: ``[num_rows, vocab_size]`` fp32.
-            params: each row's sampling parameters.
-            output_indices: each row's index of the token being sampled (for seeds).
+            logits: ``[num_rows, vocab_size]`` fp32; modified in place.
 
         Returns:
-            ``num_rows`` token ids.
+            One ``SampledToken`` per row, with logprobs where the row's params ask for them.
         """
+        params = [r.params for r in rows]
+        apply_logit_bias(logits, params)
+        apply_min_tokens(logits, rows)
+        apply_penalties(logits, rows)
+        logprobs = self._logprobs(logits, params)
         greedy = torch.tensor([p.is_greedy for p in params], device=self.device)
         tokens = logits.argmax(dim=-1)
-        if bool(greedy.all()):
-            return tokens.tolist()
-        probs = self._probs(logits, params)
-        noise = self._exponential_noise(probs, params, output_indices)
-        # Gumbel-max's exponential form: argmax(p / E), E ~ Exp(1), draws from p.
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, tokens, sampled).tolist()
+        if not bool(greedy.all()):
+            tokens = torch.where(greedy, tokens, self._draw(logits, rows))
+        token_ids = tokens.tolist()
+        return [self._sampled(token_id, row, logprobs.get(i))
+                for i, (token_id, row) in enumerate(zip(token_ids, rows))]
 
-    def _probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params],
-                                   device=self.device)
-        logits = logits / temperature[:, None]
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        vocab_size = logits.shape[-1]
-        if any(0 < k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = _truncate(logits, top_k, top_p)
-        return torch.softmax(logits, dim=-1)
+    # ---- drawing -------------------------------------------------------------------------
 
-    def _exponential_noise(self, probs: torch.Tensor, params: Sequence[SamplingParams],
-                           output_indices: Sequence[int]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """One draw per row (greedy rows' draws are discarded by the caller)."""
+        probs = sampling_probs(logits, [r.params for r in rows])
+        # Exponential race (the Gumbel-max trick): argmax(p / E), E ~ Exp(1), draws from p.
+        return (probs / self._exponential_noise(probs, rows)).argmax(dim=-1)
+
+    def _exponential_noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         noise = torch.empty_like(probs)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
         if unseeded:
             noise[unseeded] = torch.empty_like(noise[unseeded]).exponential_(generator=self.generator)
-        for i, p in enumerate(params):
-            if p.seed is not None:
-                noise[i].exponential_(generator=request_generator(p.seed, output_indices[i], self.device))
+        for i, row in enumerate(rows):
+            if row.params.seed is not None:
+                generator = request_generator(row.params.seed, row.seq_index,
+                                              len(row.output_token_ids), self.device)
+                noise[i].exponential_(generator=generator)
         return noise
 
+    # ---- logprobs ------------------------------------------------------------------------
 
-def _truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Mask to -inf all but each row's top-k tokens and its top-p nucleus.
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> dict[int, torch.Tensor]:
+        """Row -> log-softmax of the processed logits, for rows that asked for logprobs."""
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not wanted:
+            return {}
+        return dict(zip(wanted, torch.log_softmax(logits[wanted], dim=-1)))
 
-    The nucleus keeps the smallest prefix of the sorted distribution whose probability
-    reaches ``top_p`` (Holtzman et al. 2019), always at least the most likely token.
+    @staticmethod
+    def _sampled(token_id: int, row: SamplingRow, logprobs: Optional[torch.Tensor]) -> SampledToken:
+        if logprobs is None:
+            return SampledToken(token_id)
+        chosen = logprobs[token_id]
+        top = torch.topk(logprobs, row.params.logprobs) if row.params.logprobs else None
+        top_logprobs = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
+        return SampledToken(token_id, logprob=float(chosen), rank=int((logprobs > chosen).sum()) + 1,
+                            top_logprobs=top_logprobs)
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``[num_rows, vocab_size]`` probabilities after temperature and truncation.
+
+    Greedy rows never divide by their temperature: they use 1 (their row is unused). Every
+    row keeps at least its most likely token, so no row is all -inf and none is NaN.
+    """
+    temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params],
+                               device=logits.device)
+    logits = logits / temperature[:, None]
+    vocab_size = logits.shape[-1]
+    if any(0 < p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        logits = truncate(logits, [p.top_k for p in params], [p.top_p for p in params],
+                          [p.min_p for p in params])
+    return torch.softmax(logits, dim=-1)
+
+
+# ---- logits processors (in place, on [num_rows, vocab_size] fp32) ---------------------------
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Add each row's ``logit_bias`` (token id -> bias)."""
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Forbid EOS (unless ``ignore_eos``) and ``stop_token_ids`` until ``min_tokens`` exist."""
+    for i, row in enumerate(rows):
+        p = row.params
+        if len(row.output_token_ids) < p.min_tokens:
+            stops = list(p.stop_token_ids)
+            if row.eos_token_id is not None and not p.ignore_eos:
+                stops.append(row.eos_token_id)
+            logits[i, stops] = float("-inf")
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Repetition (transformers' semantics, over prompt and output tokens), then presence and
+    frequency penalties (OpenAI's, over output tokens)."""
+    penalized = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    if not penalized:
+        return
+    device, vocab_size = logits.device, logits.shape[-1]
+    sub = logits[penalized]
+    output_counts = _token_counts([rows[i].output_token_ids for i in penalized], vocab_size, device)
+    seen = _token_counts([rows[i].prompt_token_ids for i in penalized], vocab_size, device) > 0
+    seen |= output_counts > 0
+    repetition = _column([rows[i].params.repetition_penalty for i in penalized], device)
+    penalized_logits = torch.where(sub > 0, sub / repetition, sub * repetition)
+    sub = torch.where(seen, penalized_logits, sub)
+    presence = _column([rows[i].params.presence_penalty for i in penalized], device)
+    frequency = _column([rows[i].params.frequency_penalty for i in penalized], device)
+    sub -= presence * (output_counts > 0) + frequency * output_counts
+    logits[penalized] = sub
+
+
+def _token_counts(sequences: Sequence[Sequence[int]], vocab_size: int, device) -> torch.Tensor:
+    """``[len(sequences), vocab_size]`` fp32: occurrences of each token id per sequence."""
+    counts = torch.zeros(len(sequences), vocab_size + 1, device=device)
+    longest = max((len(s) for s in sequences), default=0)
+    if longest:
+        ids = torch.full((len(sequences), longest), vocab_size, dtype=torch.long)
+        for i, s in enumerate(sequences):
+            ids[i, :len(s)] = torch.as_tensor(s, dtype=torch.long)
+        ids = ids.to(device)
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab_size]  # the last column counted the padding
+
+
+def _column(values: list[float], device) -> torch.Tensor:
+    return torch.tensor(values, device=device)[:, None]
+
+
+def truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float],
+             min_p: list[float]) -> torch.Tensor:
+    """Mask to -inf all but each row's top-k tokens, its top-p nucleus and its min-p set.
+
+    The nucleus is the smallest prefix of the sorted distribution whose probability reaches
+    ``top_p`` (Holtzman et al. 2019); min-p keeps tokens whose probability is at least
+    ``min_p`` times the largest (Nguyen et al. 2024). The most likely token always stays, so
+    every row keeps a finite distribution. ``top_k`` beyond the vocabulary is off.
     """
     vocab_size = logits.shape[-1]
+    device = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab_size, device=logits.device)
-    k = torch.tensor([k if 0 < k < vocab_size else vocab_size for k in top_k], device=logits.device)
+    ranks = torch.arange(vocab_size, device=device)
+    k = torch.tensor([k if 0 < k < vocab_size else vocab_size for k in top_k], device=device)
     drop = ranks[None, :] >= k[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    p = torch.tensor(top_p, device=logits.device)
-    drop = mass_before >= p[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    drop |= (probs.cumsum(dim=-1) - probs) >= _column(top_p, device)
+    drop |= probs < _column(min_p, device) * probs[:, :1]
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

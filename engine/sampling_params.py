@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 class RequestOutputKind(enum.Enum):
@@ -16,53 +17,102 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+def _check(ok: bool, name: str, allowed: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}; got {value!r}")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request generation settings (vLLM's ``SamplingParams`` names and defaults).
 
+    Logits are processed in this order, per row of the batch: ``logit_bias`` is added;
+    ``min_tokens`` masks EOS and ``stop_token_ids``; ``repetition_penalty``, then
+    ``presence_penalty`` and ``frequency_penalty``. ``logprobs`` are taken here (the
+    log-softmax of these processed logits, before temperature and truncation, as vLLM
+    reports them). Greedy rows take the argmax; sampled rows divide by ``temperature``, keep
+    ``top_k``, ``top_p`` and ``min_p``, and draw from the rest.
+
     Attributes:
-        temperature: softmax temperature; 0 means greedy (argmax).
-        top_p: keep the smallest set of tokens whose probability sums to at least ``top_p``;
-            in (0, 1], 1 disables it.
+        n: sequences to generate from the prompt (its KV blocks are shared).
+        temperature: softmax temperature; below 1e-5 (0 included) means greedy.
+        top_p: keep the smallest set of tokens whose probability reaches ``top_p``
+            (Holtzman et al. 2019); in (0, 1], 1 disables it.
         top_k: keep the ``top_k`` most likely tokens; -1 or 0 disables it, and a value
             larger than the vocabulary is the same as off.
-        seed: seeds this request's own random generator, so that its output depends only on
-            its prompt, parameters and seed, whatever else shares the batch.
-        max_tokens: most tokens to generate; ``None`` means up to ``max_model_len``.
+        min_p: drop tokens whose probability is below ``min_p`` times the most likely one's;
+            in [0, 1], 0 disables it.
+        repetition_penalty: transformers' (Keskar et al. 2019): over prompt and output
+            tokens, positive logits are divided by it and negative ones multiplied; > 0,
+            1 disables it.
+        presence_penalty: OpenAI's: subtracted once from each token already in the output;
+            in [-2, 2].
+        frequency_penalty: OpenAI's: subtracted per occurrence in the output; in [-2, 2].
+        seed: seeds this request's own random draws, so that its output depends only on its
+            prompt, parameters and seed, whatever else shares the batch.
+        stop: strings that end generation; the text is cut before them.
+        stop_token_ids: token ids that end generation (kept in the output ids).
+        include_stop_str_in_output: keep the matched stop string in the text.
         ignore_eos: keep generating after the end-of-sequence token.
-        stop_token_ids: further token ids that end generation (kept in the output ids,
-            like EOS).
+        max_tokens: most tokens to generate per sequence; ``None`` means up to
+            ``max_model_len``.
+        min_tokens: tokens to generate before EOS or a stop token id may end it.
+        logprobs: return this many top alternatives (0 to 20) with each token's log
+            probability; ``None`` returns none.
         skip_special_tokens: leave special tokens out of the output text.
+        logit_bias: token id -> bias added to its logit, in [-100, 100] (OpenAI's range).
         output_kind: cumulative, delta or final-only outputs (``RequestOutputKind``).
 
     Raises:
         ValueError: naming the field and its allowed range, on construction.
     """
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: Optional[int] = None
-    max_tokens: Optional[int] = 16
-    ignore_eos: bool = False
+    stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0; got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1; got {self.top_k}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1; got {self.max_tokens}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63); got {self.seed}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be >= 0; got {self.stop_token_ids}")
+        _check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "an integer in [1, 128]", self.n)
+        _check(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
+               "-1 or 0 (off) or an integer >= 1", self.top_k)
+        _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]", self.presence_penalty)
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
+        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "in [0, 2**63)", self.seed)
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", ">= 1", self.max_tokens)
+        _check(self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+               "min_tokens", f">= 0 and <= max_tokens ({self.max_tokens})", self.min_tokens)
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+               f"in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "ids >= 0",
+               self.stop_token_ids)
+        _check(all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",
+               "a map of token id to a bias in [-100, 100]", self.logit_bias)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.top_k == 0:
             self.top_k = -1
 
@@ -70,3 +120,8 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """Temperatures below 1e-5 are treated as greedy, as vLLM does."""
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)

@@ -15,15 +15,21 @@ Because ``max_num_batched_tokens >= max_num_seqs`` and at most one running reque
 admitted) is ever mid-prefill, every running request in the decode phase is scheduled every
 step. A request that could never fit is rejected by ``add_request``; so the oldest request can
 always make progress and the loop never spins.
+
+A request with ``n > 1`` is prefilled once, as its sequence 0. The step that finishes its
+prompt samples ``n`` tokens from the last position; ``update`` then forks sequences 1..n-1,
+which share the prompt's blocks (``BlockManager.fork``) and run as requests of their own.
+Admission reserves room in ``max_num_seqs`` for the forks to come.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, SampledToken, make_seq_id
 from engine.sampling_params import SamplingParams
 
 
@@ -32,25 +38,34 @@ class ScheduledRequest:
     """One request's share of a step.
 
     Attributes:
-        request_id: the request.
+        seq_id: the sequence (``Request.seq_id``).
         token_ids: the tokens to compute this step (a prompt chunk, or the last sampled token).
         num_computed_tokens: how many tokens already have K/V in the cache; the position of
             ``token_ids[0]``.
         block_table: physical block ids covering ``num_computed_tokens + len(token_ids)``
             tokens. Read-only for the runner.
-        do_sample: this step reaches the request's last token, so its logits are sampled.
+        do_sample: this step reaches the sequence's last token, so its logits are sampled.
+        num_samples: tokens to draw from those logits: ``n`` when the step finishes the
+            prompt of a request about to fork, else 1.
+        seq_index: the sequence's index in its request (sample ``j`` of a forking row is
+            for sequence ``seq_index + j``).
         sampling_params: the request's parameters.
-        num_output_tokens: output tokens generated so far (the index of the token sampled
-            this step), which seeds a seeded request's generator.
+        prompt_token_ids, output_token_ids: the sequence's tokens so far (read-only), for
+            penalties and ``min_tokens``.
+        eos_token_id: masked while ``min_tokens`` is not reached.
     """
 
-    request_id: str
+    seq_id: str
     token_ids: list[int]
     num_computed_tokens: int
     block_table: list[int]
     do_sample: bool
+    num_samples: int
+    seq_index: int
     sampling_params: SamplingParams
-    num_output_tokens: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: Optional[int]
 
 
 @dataclass(slots=True)
@@ -58,7 +73,9 @@ class SchedulerOutput:
     """The contract between scheduler and model runner for one step."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_request_ids: list[str] = field(default_factory=list)
+    preempted_seq_ids: list[str] = field(default_factory=list)
+    # (src, dst) block pairs to copy before the forward (copy-on-write of shared blocks)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -75,12 +92,13 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # by seq_id
+        self._reserved_seq_ids: set[str] = set()  # forks of requests not yet forked
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def check_request(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
         """Raise ``ValueError`` naming the limit if a request could never be served."""
         max_model_len = self.config.max_model_len
         if num_prompt_tokens == 0:
@@ -96,18 +114,31 @@ class Scheduler:
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs "
                 f"{num_blocks} KV blocks, more than the whole KV cache "
                 f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)")
+        if n > self.config.max_num_seqs:
+            raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
 
     def add_request(self, request: Request) -> None:
-        """Queue a request after ``check_request``; raises ``ValueError`` on a duplicate id."""
-        if request.request_id in self.requests:
+        """Queue a request (its sequence 0) after ``check_request``.
+
+        Raises:
+            ValueError: as ``check_request``, or when the request id, or the id one of its
+                forks will take, is already in use.
+        """
+        n = request.sampling_params.n
+        seq_ids = [make_seq_id(request.request_id, i) for i in range(n)]
+        if any(s in self.requests or s in self._reserved_seq_ids for s in seq_ids):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.check_request(request.num_prompt_tokens, request.max_tokens)
-        self.requests[request.request_id] = request
+        self.check_request(request.num_prompt_tokens, request.max_tokens, n)
+        request.num_forks_pending = n - 1
+        self._reserved_seq_ids.update(seq_ids[1:])
+        self.requests[request.seq_id] = request
         self.waiting.append(request)
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """End a request with a finished ``status``, free its blocks; ``None`` if unknown."""
-        request = self.requests.pop(request_id, None)
+    def finish_request(self, seq_id: str, status: RequestStatus) -> Request | None:
+        """End a sequence with a finished ``status``, free its blocks; ``None`` if unknown.
+
+        A sequence 0 that ends before forking takes its pending forks with it."""
+        request = self.requests.pop(seq_id, None)
         if request is None:
             return None
         if request.status == RequestStatus.RUNNING:
@@ -115,8 +146,14 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.status = status
-        self.block_manager.free(request_id)
+        self._release_forks(request)
+        self.block_manager.free(seq_id)
         return request
+
+    def _release_forks(self, request: Request) -> None:
+        for index in range(1, request.num_forks_pending + 1):
+            self._reserved_seq_ids.discard(make_seq_id(request.request_id, index))
+        request.num_forks_pending = 0
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -126,7 +163,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
-        if not output.preempted_request_ids:
+        if not output.preempted_seq_ids:
             self._schedule_waiting(output, budget)
         return output
 
@@ -145,28 +182,32 @@ class Scheduler:
 
     def _make_room(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Preempt the newest running requests until ``request`` can grow by ``num_new``."""
-        num_tokens = request.num_computed_tokens + num_new
-        while not self.block_manager.can_allocate(request.request_id, num_tokens):
+        start = request.num_computed_tokens
+        while not self.block_manager.can_allocate(request.seq_id, start + num_new, start):
             victim = self.running.pop()
             self._preempt(victim)
-            output.preempted_request_ids.append(victim.request_id)
+            output.preempted_seq_ids.append(victim.seq_id)
             if victim is request:
                 return False
         return True
 
     def _preempt(self, request: Request) -> None:
-        self.block_manager.free(request.request_id)
+        self.block_manager.free(request.seq_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        num_seqs = len(self.running) + sum(r.num_forks_pending for r in self.running)
+        while self.waiting and budget > 0:
             request = self.waiting[0]
             num_new = min(request.num_tokens, budget)
-            if not self.block_manager.can_allocate(request.request_id, num_new):
+            if num_seqs + 1 + request.num_forks_pending > self.config.max_num_seqs:
+                break
+            if not self.block_manager.can_allocate(request.seq_id, num_new):
                 break  # arrival order: no one overtakes the head of the queue
+            num_seqs += 1 + request.num_forks_pending
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -176,53 +217,81 @@ class Scheduler:
     def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
         end = start + num_new
-        self.block_manager.allocate(request.request_id, end)
+        copy = self.block_manager.copy_on_write(request.seq_id, start)
+        if copy is not None:
+            output.blocks_to_copy.append(copy)
+        self.block_manager.allocate(request.seq_id, end)
+        do_sample = end == request.num_tokens
         output.scheduled.append(ScheduledRequest(
-            request_id=request.request_id,
+            seq_id=request.seq_id,
             token_ids=request.token_ids_slice(start, end),
             num_computed_tokens=start,
-            block_table=self.block_manager.block_table(request.request_id),
-            do_sample=end == request.num_tokens,
+            block_table=self.block_manager.block_table(request.seq_id),
+            do_sample=do_sample,
+            num_samples=1 + request.num_forks_pending if do_sample else 0,
+            seq_index=request.index,
             sampling_params=request.sampling_params,
-            num_output_tokens=request.num_output_tokens,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_id=request.eos_token_id,
         ))
 
     # ---- after the forward ---------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Record a step's results: computed tokens, sampled tokens, finished requests.
+    def update(self, output: SchedulerOutput,
+               sampled: dict[str, list[SampledToken]]) -> list[tuple[Request, SampledToken]]:
+        """Record a step's results: computed tokens, sampled tokens, forks, finished sequences.
 
         Args:
             output: the step's plan, as returned by ``schedule``.
-            sampled: request id -> new token id, for the requests that sampled.
+            sampled: seq id -> the tokens drawn for it (``num_samples`` of them), for the
+                sequences that sampled.
 
         Returns:
-            The requests that got a new token this step (finished ones included, with their
-            final status and their blocks already freed).
+            ``(sequence, its new token)`` for every sequence that got one this step, new forks
+            included; finished ones carry their final status and have freed their blocks.
         """
         updated = []
         for scheduled in output.scheduled:
-            request = self.requests.get(scheduled.request_id)
+            request = self.requests.get(scheduled.seq_id)
             if request is None:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(scheduled.token_ids)
-            token_id = sampled.get(scheduled.request_id)
-            if token_id is None:
+            tokens = sampled.get(scheduled.seq_id)
+            if not tokens:
                 continue
-            request.output_token_ids.append(token_id)
-            status = self._stop_status(request, token_id)
-            if status is not None:
-                self.finish_request(request.request_id, status)
-            updated.append(request)
+            sequences = [request] + self._fork(request, len(tokens) - 1)
+            for sequence, token in zip(sequences, tokens):
+                self._append_token(sequence, token.token_id)
+                updated.append((sequence, token))
         return updated
 
-    @staticmethod
-    def _stop_status(request: Request, token_id: int) -> RequestStatus | None:
+    def _fork(self, parent: Request, num_forks: int) -> list[Request]:
+        """Sequences 1..num_forks of ``parent``'s request, sharing its blocks, running."""
+        forks = []
+        for index in range(1, num_forks + 1):
+            child = Request(request_id=parent.request_id, prompt=parent.prompt,
+                            prompt_token_ids=parent.prompt_token_ids,
+                            sampling_params=parent.sampling_params,
+                            eos_token_id=parent.eos_token_id, max_tokens=parent.max_tokens,
+                            index=index, arrival_time=parent.arrival_time,
+                            num_computed_tokens=parent.num_computed_tokens,
+                            status=RequestStatus.RUNNING)
+            self._reserved_seq_ids.discard(child.seq_id)
+            self.block_manager.fork(parent.seq_id, child.seq_id)
+            self.requests[child.seq_id] = child
+            self.running.append(child)
+            forks.append(child)
+        parent.num_forks_pending = 0
+        return forks
+
+    def _append_token(self, request: Request, token_id: int) -> None:
+        request.output_token_ids.append(token_id)
         params = request.sampling_params
         if token_id == request.eos_token_id and not params.ignore_eos:
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+            self.finish_request(request.seq_id, RequestStatus.FINISHED_STOPPED)
+        elif token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            self.finish_request(request.seq_id, RequestStatus.FINISHED_STOPPED)
+        elif request.num_output_tokens >= request.max_tokens:
+            self.finish_request(request.seq_id, RequestStatus.FINISHED_LENGTH)

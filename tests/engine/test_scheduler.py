@@ -9,7 +9,7 @@ import pytest
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, SampledToken
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
@@ -30,13 +30,13 @@ def make_request(request_id, num_prompt_tokens, max_tokens=4, eos_token_id=None)
 
 def run_step(scheduler, token_id=7):
     output = scheduler.schedule()
-    sampled = {s.request_id: token_id for s in output.scheduled if s.do_sample}
+    sampled = {s.seq_id: [SampledToken(token_id)] * s.num_samples for s in output.scheduled if s.do_sample}
     scheduler.update(output, sampled)
     return output
 
 
 def plan(output):
-    return [(s.request_id, len(s.token_ids), s.num_computed_tokens, s.block_table, s.do_sample)
+    return [(s.seq_id, len(s.token_ids), s.num_computed_tokens, s.block_table, s.do_sample)
             for s in output.scheduled]
 
 
@@ -103,7 +103,7 @@ def test_preemption_evicts_the_most_recently_admitted_and_requeues_it_first():
     out = run_step(s)  # all four prefill, each in one block: the pool is full
     assert s.block_manager.num_free_blocks == 0
     out = run_step(s)  # a needs a block: d goes; b needs one: c goes
-    assert out.preempted_request_ids == ["d", "c"]
+    assert out.preempted_seq_ids == ["d", "c"]
     assert plan(out) == [("a", 1, 4, [0, 3], True), ("b", 1, 4, [1, 2], True)]
     assert [r.request_id for r in s.waiting] == ["c", "d"]
     assert all(s.requests[r].num_computed_tokens == 0 for r in "cd")
@@ -117,7 +117,7 @@ def test_preempted_request_recomputes_its_prompt_and_output():
     s.add_request(make_request("b", 4, max_tokens=8))
     assert plan(run_step(s)) == [("a", 4, 0, [0], True), ("b", 4, 0, [1], True)]
     out = run_step(s)  # a takes the last free block; b needs one too and preempts itself
-    assert out.preempted_request_ids == ["b"]
+    assert out.preempted_seq_ids == ["b"]
     assert plan(out) == [("a", 1, 4, [0, 2], True)]
     b = s.requests["b"]
     assert b.output_token_ids == [7] and b.num_computed_tokens == 0
@@ -186,3 +186,39 @@ def test_a_tiny_pool_never_spins_and_finishes_everything():
         assert steps < 2000
     assert s.num_preemptions > 0
     assert s.block_manager.num_free_blocks == 6 and s.block_manager.block_tables == {}
+
+
+def test_n_sequences_fork_after_the_prompt_and_share_its_blocks():
+    s = make_scheduler(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    request = make_request("r", 10, max_tokens=4)
+    request.sampling_params.n = 3
+    s.add_request(request)
+    out = s.schedule()
+    assert plan(out) == [("r", 10, 0, [0, 1, 2], True)] and out.scheduled[0].num_samples == 3
+    s.update(out, {"r": [SampledToken(7), SampledToken(8), SampledToken(9)]})
+    assert [(r.seq_id, r.output_token_ids) for r in s.running] == [("r", [7]), ("r#1", [8]), ("r#2", [9])]
+    bm = s.block_manager
+    assert bm.block_tables == {"r": [0, 1, 2], "r#1": [0, 1, 2], "r#2": [0, 1, 2]}
+    assert bm.ref_counts[:3] == [3, 3, 3] and bm.num_free_blocks == 13
+    out = run_step(s)  # position 10 lies in the shared partial block 2: two copies, one in place
+    assert out.blocks_to_copy == [(2, 3), (2, 4)]
+    assert bm.block_tables == {"r": [0, 1, 3], "r#1": [0, 1, 4], "r#2": [0, 1, 2]}
+    assert bm.ref_counts[:5] == [3, 3, 1, 1, 1] and bm.num_free_blocks == 11
+    while s.has_unfinished_requests():
+        run_step(s)
+    assert bm.num_free_blocks == 16
+
+
+def test_fork_ids_are_reserved_and_n_is_bounded_by_max_num_seqs():
+    s = make_scheduler(max_num_seqs=4)
+    request = make_request("r", 3)
+    request.sampling_params.n = 2
+    s.add_request(request)
+    with pytest.raises(ValueError, match="'r#1' is already in use"):
+        s.add_request(make_request("r#1", 3))
+    big = make_request("big", 3)
+    big.sampling_params.n = 5
+    with pytest.raises(ValueError, match=r"n \(5\) exceeds max_num_seqs \(4\)"):
+        s.add_request(big)
+    s.finish_request("r", RequestStatus.FINISHED_ABORTED)  # before forking: releases r#1
+    s.add_request(make_request("r#1", 3))

@@ -1,0 +1,159 @@
+"""From sampled tokens to ``RequestOutput``s: text, stop strings, logprobs, n > 1, metrics."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.request import (CompletionOutput, Logprob, Request, RequestMetrics, RequestOutput,
+                            SampledToken)
+from engine.sampling_params import RequestOutputKind
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """A request's sequences (sequence 0, then its forks) and their detokenizers."""
+
+    request_id: str
+    sequences: dict[int, Request]
+    detokenizers: dict[int, IncrementalDetokenizer]
+    metrics: RequestMetrics
+    changed: list[int] = field(default_factory=list)  # sequence indices with news this step
+    num_reported_tokens: dict[int, int] = field(default_factory=dict)  # per sequence, for deltas
+
+    @property
+    def first(self) -> Request:
+        return self.sequences[0]
+
+    @property
+    def finished(self) -> bool:
+        return self.first.num_forks_pending == 0 and all(
+            s.status.is_finished for s in self.sequences.values())
+
+
+class OutputProcessor:
+    """Keeps per-request output state between steps and builds the outputs.
+
+    Args:
+        tokenizer: the model's tokenizer, or ``None`` (then texts are empty and stop strings
+            are refused earlier, by the engine).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self._token_texts: dict[int, str] = {}
+
+    def add_request(self, request: Request) -> None:
+        self.states[request.request_id] = RequestState(
+            request.request_id, {0: request}, {}, RequestMetrics(arrival_time=request.arrival_time))
+
+    def seq_ids(self, request_id: str) -> list[str]:
+        state = self.states.get(request_id)
+        return [] if state is None else [s.seq_id for s in state.sequences.values()]
+
+    def add_token(self, sequence: Request, token: SampledToken) -> Optional[str]:
+        """Record a sequence's new token (already appended to its ids by the scheduler).
+
+        Returns:
+            The stop string the new text completed, if any: the caller finishes the sequence.
+        """
+        state = self.states[sequence.request_id]
+        state.sequences.setdefault(sequence.index, sequence)
+        state.changed.append(sequence.index)
+        now = time.time()
+        state.metrics.first_token_time = state.metrics.first_token_time or now
+        state.metrics.last_token_time = now
+        if token.logprob is not None:
+            sequence.cumulative_logprob += token.logprob
+            sequence.output_logprobs.append(self._logprob_dict(token))
+        detokenizer = self._detokenizer(state, sequence)
+        return None if detokenizer is None else detokenizer.step(token.token_id)
+
+    def mark_finished(self, sequence: Request) -> None:
+        """Note a sequence that ended without a new token (abort, error)."""
+        state = self.states.get(sequence.request_id)
+        if state is not None:
+            state.sequences.setdefault(sequence.index, sequence)
+            state.changed.append(sequence.index)
+
+    def make_outputs(self) -> list[RequestOutput]:
+        """Outputs of every request with news since the last call, per its ``output_kind``;
+        finished requests are dropped from the state."""
+        outputs = []
+        for request_id in [r for r, s in self.states.items() if s.changed]:
+            state = self.states[request_id]
+            output = self._make_output(state)
+            state.changed.clear()
+            if state.finished:
+                del self.states[request_id]
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _detokenizer(self, state: RequestState, sequence: Request) -> Optional[IncrementalDetokenizer]:
+        if self.tokenizer is None:
+            return None
+        if sequence.index not in state.detokenizers:
+            state.detokenizers[sequence.index] = IncrementalDetokenizer(
+                self.tokenizer, sequence.prompt_token_ids, sequence.sampling_params)
+        return state.detokenizers[sequence.index]
+
+    def _make_output(self, state: RequestState) -> Optional[RequestOutput]:
+        first = state.first
+        kind = first.sampling_params.output_kind
+        finished = state.finished
+        changed = list(dict.fromkeys(state.changed))
+        # Advance every changed sequence's emitted text, whatever the kind.
+        deltas = {i: self._pop_delta(state, i) for i in changed}
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if kind == RequestOutputKind.DELTA:
+            completions = [self._completion(state, i, deltas[i]) for i in changed]
+        else:
+            completions = [self._completion(state, i, None) for i in sorted(state.sequences)]
+        return RequestOutput(request_id=state.request_id, prompt=first.prompt,
+                             prompt_token_ids=first.prompt_token_ids, outputs=completions,
+                             finished=finished, metrics=state.metrics,
+                             error=next((s.error for s in state.sequences.values() if s.error), None))
+
+    def _pop_delta(self, state: RequestState, index: int) -> str:
+        detokenizer = state.detokenizers.get(index)
+        if detokenizer is None:
+            return ""
+        return detokenizer.pop_delta(finished=state.sequences[index].status.is_finished)
+
+    def _completion(self, state: RequestState, index: int, delta_text: Optional[str]) -> CompletionOutput:
+        """Sequence ``index``'s output: what is new since the last report when ``delta_text``
+        is given, else everything so far."""
+        sequence = state.sequences[index]
+        start = 0
+        if delta_text is not None:
+            start, text = state.num_reported_tokens.get(index, 0), delta_text
+        else:
+            detokenizer = state.detokenizers.get(index)
+            text = "" if detokenizer is None else detokenizer.emitted_text
+        state.num_reported_tokens[index] = sequence.num_output_tokens
+        wants_logprobs = sequence.sampling_params.logprobs is not None
+        return CompletionOutput(
+            index=index, text=text, token_ids=sequence.output_token_ids[start:],
+            cumulative_logprob=sequence.cumulative_logprob if wants_logprobs else None,
+            logprobs=sequence.output_logprobs[start:] if wants_logprobs else None,
+            finish_reason=sequence.status.finish_reason, stop_reason=sequence.stop_reason)
+
+    def _logprob_dict(self, token: SampledToken) -> dict[int, Logprob]:
+        """The sampled token first, then the top alternatives (vLLM's layout)."""
+        entries = {token.token_id: Logprob(token.logprob, token.rank, self._token_text(token.token_id))}
+        for rank, (token_id, logprob) in enumerate(token.top_logprobs, start=1):
+            entries.setdefault(token_id, Logprob(logprob, rank, self._token_text(token_id)))
+        return entries
+
+    def _token_text(self, token_id: int) -> Optional[str]:
+        if self.tokenizer is None:
+            return None
+        if token_id not in self._token_texts:
+            self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return self._token_texts[token_id]

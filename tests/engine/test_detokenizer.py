@@ -1,0 +1,83 @@
+"""Incremental detokenization: UTF-8 safety, spaces, stop strings and held-back text."""
+import pytest
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+
+TEXTS = [
+    "Hello world, 你好世界! 🎉🎊 café naïve résumé",
+    "日本語のテキストと中文混合，还有한국어도 있습니다。",
+    "emoji: 👩‍👩‍👧‍👦 🇫🇷 🏳️‍🌈 ❤️‍🔥 — and   runs   of    spaces\n\n\tand tabs",
+    "  leading spaces and trailing   ",
+    "Ångström, Straße, Øresund, Ñandú, ĳ, ﬁ ligature, Zürich",
+    "math: ∑ᵢ xᵢ² ≤ ∞, ∀x∈ℝ; arrows ← ↑ → ↓; box ┌─┐",
+]
+
+
+def stream(tokenizer, ids, params=None, prompt=(1, 2)):
+    detok = IncrementalDetokenizer(tokenizer, list(prompt), params or SamplingParams())
+    deltas, stop = [], None
+    for token_id in ids:
+        stop = detok.step(token_id)
+        deltas.append(detok.pop_delta(finished=stop is not None))
+        if stop is not None:
+            break
+    else:
+        deltas.append(detok.pop_delta(finished=True))
+    return deltas, stop, detok
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_concatenate_to_decode_and_never_hold_a_replacement_char(tokenizer, text):
+    ids = tokenizer(text).input_ids
+    deltas, _, _ = stream(tokenizer, ids)
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+    # multi-byte characters really do span tokens here: some steps emit nothing
+    if any(ord(c) > 0x2000 for c in text):
+        assert "" in deltas[:-1]
+
+
+def test_real_generations(tokenizer, llm):
+    from engine import SamplingParams as Params
+
+    prompts = ["Write a short poem with emoji about the moon.", "Translate 'good morning' into Chinese and Japanese.",
+               "List three French words with accents."]
+    outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
+                       Params(temperature=0.7, seed=7, max_tokens=48), use_tqdm=False)
+    for output in outputs:
+        ids = output.outputs[0].token_ids
+        deltas, _, _ = stream(tokenizer, ids, prompt=output.prompt_token_ids)
+        expected = tokenizer.decode(ids, skip_special_tokens=True)
+        if not expected.endswith("\ufffd"):  # a generation may stop mid-character
+            assert "".join(deltas) == expected == output.outputs[0].text
+        assert not any("\ufffd" in d for d in deltas)
+
+
+def test_stop_string_spanning_tokens_is_caught_and_cut(tokenizer):
+    text = "The answer is forty-two. Goodbye"
+    ids = tokenizer(text).input_ids
+    stop = "forty-two"
+    assert len(tokenizer(" " + stop).input_ids) >= 2  # spans several tokens
+    deltas, matched, detok = stream(tokenizer, ids, SamplingParams(stop=[stop]))
+    assert matched == stop
+    assert "".join(deltas) == detok.output_text == "The answer is "
+    deltas, _, _ = stream(tokenizer, ids, SamplingParams(stop=[stop], include_stop_str_in_output=True))
+    assert "".join(deltas) == "The answer is forty-two"
+
+
+def test_text_that_may_start_a_stop_string_is_held_back_then_released(tokenizer):
+    ids = tokenizer("Count: 1, 2, 3").input_ids
+    detok = IncrementalDetokenizer(tokenizer, [1], SamplingParams(stop=["3, 4"]))
+    emitted = ""
+    for token_id in ids:
+        assert detok.step(token_id) is None
+        emitted += detok.pop_delta(finished=False)
+    assert emitted == "Count: 1, 2, "  # "3" could still grow into "3, 4"
+    assert detok.pop_delta(finished=True) == "3"  # max_tokens ended it: release
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer):
+    ids = tokenizer("alpha beta gamma delta").input_ids
+    _, matched, detok = stream(tokenizer, ids, SamplingParams(stop=["delta", "beta", "gamma delta"]))
+    assert matched == "beta" and detok.output_text == "alpha "
