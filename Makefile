@@ -6,8 +6,9 @@ PY := .venv/bin/python
 setup:
 	@./scripts/setup.sh
 
+# The OpenAI-compatible service on http://127.0.0.1:8000 (Ctrl-C stops it and Ray).
 run: setup
-	$(PY) -m engine generate --prompt "What is the capital of France?"
+	.venv/bin/serve run app:deployment
 
 test: setup
 	$(PY) -m pytest -q

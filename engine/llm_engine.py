@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.errors import InvalidRequestError
 from engine.loader import DEFAULT_MODEL, LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
@@ -102,20 +103,33 @@ class LLMEngine:
         self._check_token_ids("logit_bias", list(params.logit_bias))
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop: model {self.config.model!r} has no tokenizer to match "
-                             "stop strings; use stop_token_ids")
+            raise InvalidRequestError(f"stop: model {self.config.model!r} has no tokenizer to "
+                                      "match stop strings; use stop_token_ids", "stop")
 
     def _check_token_ids(self, field_name: str, token_ids: list) -> None:
         vocab_size = self.model_config.vocab_size
         bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
         if bad is not None:
-            raise ValueError(f"{field_name}: token id {bad!r} is outside the vocabulary "
-                             f"[0, {vocab_size})")
+            raise InvalidRequestError(f"{field_name}: token id {bad!r} is outside the vocabulary "
+                                      f"[0, {vocab_size})",
+                                      "prompt" if field_name == "prompt_token_ids" else field_name)
+
+    def chat_prompt(self, conversation: list[dict]) -> dict:
+        """A conversation through the tokenizer's chat template, with the generation prompt
+        added: ``{"prompt": text, "prompt_token_ids": ids}``.
+
+        Raises:
+            InvalidRequestError: if the model has no chat template.
+        """
+        if self.tokenizer is None or self.tokenizer.chat_template is None:
+            raise InvalidRequestError(f"model {self.config.model!r} has no chat template", "messages")
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        return {"prompt": text, "prompt_token_ids": self.tokenize(text, add_special_tokens=False)}
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError(f"model {self.config.model!r} has no tokenizer: "
-                             "pass prompt_token_ids instead of text")
+            raise InvalidRequestError(f"model {self.config.model!r} has no tokenizer: "
+                                      "pass prompt_token_ids instead of text", "prompt")
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
@@ -262,15 +276,8 @@ class LLM:
         """Generate replies to one conversation or a list of them, through the tokenizer's
         chat template (with the generation prompt added)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self._chat_prompt(conversation) for conversation in conversations]
+        prompts = [self.llm_engine.chat_prompt(conversation) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
-
-    def _chat_prompt(self, conversation: list[dict]) -> dict:
-        tokenizer = self.get_tokenizer()
-        if tokenizer is None or tokenizer.chat_template is None:
-            raise ValueError(f"model {self.llm_engine.config.model!r} has no chat template")
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-        return {"prompt": text, "prompt_token_ids": self.llm_engine.tokenize(text, add_special_tokens=False)}
 
     def _add_requests(self, prompts, sampling_params) -> list[str]:
         request_ids = []

@@ -5,6 +5,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from engine.errors import InvalidRequestError
+
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
@@ -19,7 +21,7 @@ class RequestOutputKind(enum.Enum):
 
 def _check(ok: bool, name: str, allowed: str, value) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {allowed}; got {value!r}")
+        raise InvalidRequestError(f"{name} must be {allowed}; got {value!r}", param=name)
 
 
 @dataclass(slots=True)
@@ -64,7 +66,8 @@ class SamplingParams:
         output_kind: cumulative, delta or final-only outputs (``RequestOutputKind``).
 
     Raises:
-        ValueError: naming the field and its allowed range, on construction.
+        InvalidRequestError: (a ``ValueError``) naming the field and its allowed range, on
+            construction.
     """
 
     n: int = 1

@@ -29,6 +29,7 @@ from typing import Optional
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
+from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.request import Request, RequestStatus, SampledToken, make_seq_id
 from engine.sampling_params import SamplingParams
 
@@ -99,23 +100,26 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def check_request(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
-        """Raise ``ValueError`` naming the limit if a request could never be served."""
+        """Raise ``InvalidRequestError`` (``ContextLengthExceededError`` for length limits)
+        naming the limit, if a request could never be served."""
         max_model_len = self.config.max_model_len
         if num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty: it must have at least 1 token")
+            raise InvalidRequestError("the prompt is empty: it must have at least 1 token", "prompt")
         if num_prompt_tokens + max_tokens > max_model_len:
-            raise ValueError(
+            raise ContextLengthExceededError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                f"{num_prompt_tokens + max_tokens} tokens exceeds max_model_len ({max_model_len})")
+                f"{num_prompt_tokens + max_tokens} tokens exceeds max_model_len ({max_model_len})",
+                "prompt")
         # The last sampled token is never fed back, so its K/V never needs a slot.
         num_blocks = self.block_manager.num_blocks_for(num_prompt_tokens + max_tokens - 1)
         if num_blocks > self.block_manager.num_blocks:
-            raise ValueError(
+            raise ContextLengthExceededError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs "
                 f"{num_blocks} KV blocks, more than the whole KV cache "
-                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)")
+                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)",
+                "prompt")
         if n > self.config.max_num_seqs:
-            raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+            raise InvalidRequestError(f"n ({n}) exceeds max_num_seqs ({self.config.max_num_seqs})", "n")
 
     def add_request(self, request: Request) -> None:
         """Queue a request (its sequence 0) after ``check_request``.
@@ -127,7 +131,7 @@ class Scheduler:
         n = request.sampling_params.n
         seq_ids = [make_seq_id(request.request_id, i) for i in range(n)]
         if any(s in self.requests or s in self._reserved_seq_ids for s in seq_ids):
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already in use")
         self.check_request(request.num_prompt_tokens, request.max_tokens, n)
         request.num_forks_pending = n - 1
         self._reserved_seq_ids.update(seq_ids[1:])

@@ -1,0 +1,158 @@
+"""The engine deployment: one ``AsyncLLM`` per replica, streaming plain-dict outputs."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from typing import AsyncIterator, Optional
+
+from ray import serve
+
+from app.config import AppConfig
+from app.metrics import EngineMetrics
+from engine.async_llm import AsyncLLM
+from engine.errors import EngineOverloadedError
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("ray.serve")
+
+_STATS_PERIOD_S = 1.0
+
+
+class EngineServer:
+    """Holds the model and its step loop; the ingress calls ``generate`` with a streaming
+    handle. Everything crossing the Ray boundary is plain data.
+
+    Args:
+        config: the application's settings.
+    """
+
+    def __init__(self, config: AppConfig) -> None:
+        self.config = config
+        self.llm = AsyncLLM(config=config.engine_config())
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside Serve (tests): any unique name will do
+            self.replica_id = uuid.uuid4().hex[:8]
+        self.metrics = EngineMetrics(config.model_name, self.replica_id)
+        self._num_in_flight = 0  # generate() calls not finished; only the replica's loop touches it
+        self._stop = threading.Event()
+        threading.Thread(target=self._record_stats, name="engine-metrics", daemon=True).start()
+
+    async def generate(self, prompt: dict, params: SamplingParams,
+                       request_id: Optional[str] = None) -> AsyncIterator[dict]:
+        """Stream a request's outputs as dicts (see ``output_to_dict``).
+
+        Args:
+            prompt: ``{"prompt": text}``, ``{"prompt_token_ids": ids}`` or ``{"messages": [...]}``
+                (a chat, through the tokenizer's chat template).
+            params: sampling parameters; outputs are deltas.
+            request_id: defaults to a random id.
+
+        Raises:
+            InvalidRequestError: the request can never be served (before any output).
+            EngineOverloadedError: the waiting queue is over ``max_waiting_requests``.
+        """
+        # Requests in flight beyond a full batch are the waiting queue (counted here, not in
+        # the engine, so that a burst arriving between two steps is counted too).
+        num_waiting = self._num_in_flight - self.config.max_num_seqs
+        if num_waiting >= self.config.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"the engine is overloaded: {num_waiting} requests waiting "
+                f"(max_waiting_requests={self.config.max_waiting_requests}); retry later")
+        self._num_in_flight += 1
+        try:
+            async for item in self._generate(prompt, params, request_id):
+                yield item
+        finally:
+            self._num_in_flight -= 1
+
+    async def _generate(self, prompt: dict, params: SamplingParams,
+                        request_id: Optional[str]) -> AsyncIterator[dict]:
+        if "messages" in prompt:
+            prompt = self.llm.engine.chat_prompt(prompt["messages"])
+        start = time.perf_counter()
+        timing = _Timing(start)
+        num_output_tokens, finish_reasons, num_prompt_tokens = 0, [], 0
+        try:
+            async for output in self.llm.generate(prompt, params, request_id):
+                timing.tick(self.metrics)
+                num_prompt_tokens = len(output.prompt_token_ids)
+                num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                finish_reasons += [c.finish_reason for c in output.outputs if c.finish_reason]
+                yield output_to_dict(output, self.replica_id)
+        finally:
+            if timing.first is not None:  # rejected requests have no latency to report
+                self._record_request(num_prompt_tokens, num_output_tokens, timing.first - start,
+                                     time.perf_counter() - start, finish_reasons)
+
+    def _record_request(self, *args) -> None:
+        try:
+            self.metrics.record_request(*args)
+        except Exception:  # noqa: BLE001 - metrics must never fail a request
+            logger.exception("recording request metrics failed")
+
+    def check_health(self) -> None:
+        """Serve's periodic liveness check: raises once the step loop has died, so that
+        Serve replaces the replica."""
+        self.llm.check_health()
+
+    async def is_alive(self) -> bool:
+        try:
+            self.llm.check_health()
+        except Exception:  # noqa: BLE001 - any failure means not alive
+            return False
+        return True
+
+    def stats(self) -> dict:
+        return {**self.llm.stats(), "replica_id": self.replica_id}
+
+    def _record_stats(self) -> None:
+        while not self._stop.wait(_STATS_PERIOD_S):
+            try:
+                self.metrics.record_stats(self.llm.stats())
+            except Exception:  # noqa: BLE001 - metrics must never take the replica down
+                logger.exception("recording engine metrics failed")
+
+    def __del__(self) -> None:
+        self._stop.set()
+        self.llm.shutdown(timeout=1.0)
+
+
+class _Timing:
+    """First-output time and inter-token latency of one request."""
+
+    def __init__(self, start: float) -> None:
+        self.first: Optional[float] = None
+        self.last = start
+
+    def tick(self, metrics: EngineMetrics) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        else:
+            metrics.itl.observe(now - self.last, tags=metrics.tags)
+        self.last = now
+
+
+def output_to_dict(output: RequestOutput, replica_id: str) -> dict:
+    """A delta ``RequestOutput`` as JSON-able data. Logprobs per token are
+    ``[[token_id, logprob, rank, decoded_token], ...]``, the sampled token first."""
+    return {
+        "replica_id": replica_id,
+        "num_prompt_tokens": len(output.prompt_token_ids),
+        "finished": output.finished,
+        "error": output.error,
+        "outputs": [{
+            "index": c.index,
+            "text": c.text,
+            "token_ids": c.token_ids,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+            "logprobs": None if c.logprobs is None else [
+                [[token_id, lp.logprob, lp.rank, lp.decoded_token] for token_id, lp in entry.items()]
+                for entry in c.logprobs],
+        } for c in output.outputs],
+    }

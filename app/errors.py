@@ -1,0 +1,121 @@
+"""Every error the service returns is OpenAI's envelope
+``{"error": {"message", "type", "param", "code"}}``; FastAPI's own 422 body never escapes."""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.protocol import ErrorInfo, ErrorResponse
+from engine.errors import ContextLengthExceededError, EngineOverloadedError, InvalidRequestError
+
+logger = logging.getLogger("ray.serve")
+
+RETRY_AFTER_S = "1"
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 503: "service_unavailable_error"}
+
+
+class OpenAIError(Exception):
+    """An HTTP error with OpenAI's fields."""
+
+    def __init__(self, status_code: int, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None, error_type: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = error_type or _TYPES.get(status_code, "internal_server_error")
+
+    def body(self) -> dict:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": RETRY_AFTER_S} if self.status_code in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
+
+
+def from_exception(exc: BaseException) -> OpenAIError:
+    """Map an engine or Serve exception (possibly wrapped by Ray) to an ``OpenAIError``."""
+    cause = _unwrap(exc)
+    if isinstance(cause, OpenAIError):
+        return cause
+    if isinstance(cause, ContextLengthExceededError):
+        return OpenAIError(400, str(cause), cause.param, "context_length_exceeded")
+    if isinstance(cause, InvalidRequestError):
+        return OpenAIError(400, str(cause), cause.param)
+    if isinstance(cause, ValueError):
+        return OpenAIError(400, str(cause))
+    if isinstance(cause, (EngineOverloadedError, BackPressureError, DeploymentUnavailableError)):
+        return OpenAIError(503, f"the service is overloaded or restarting: {cause}; retry later",
+                           code="overloaded")
+    if isinstance(cause, RayActorError):
+        return OpenAIError(503, "the engine replica serving this request died; retry "
+                           f"(Serve restarts it): {type(cause).__name__}", code="replica_died")
+    logger.error("request failed: %r", exc)
+    return OpenAIError(500, f"internal error: {type(cause).__name__}: {cause}", code="internal_error")
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """Ray re-raises a replica's exception as a ``RayTaskError`` whose ``cause`` is the
+    original (its attributes, like ``param``, live there)."""
+    while getattr(exc, "cause", None) is not None and exc.cause is not exc:
+        exc = exc.cause
+    return exc
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":
+        return OpenAIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+    location = [str(part) for part in first.get("loc", ())][1:]  # drop "body" / "query"
+    param = ".".join(location) or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "missing":
+        message = f"{param} is required"
+    elif param:
+        message = f"{param}: {message}"
+        if isinstance(first.get("ctx", {}).get("error"), ValueError):
+            message = f"{param}: {first['ctx']['error']}"
+    return OpenAIError(400, message, param)
+
+
+def error_response(request: Request, error: OpenAIError) -> JSONResponse:
+    """The envelope response, counted in ``app.state.http_metrics`` when the app has one."""
+    metrics = getattr(request.app.state, "http_metrics", None)
+    if metrics is not None:
+        metrics.record_error(error.status_code)
+    return error.response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error through the envelope."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(request, _validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(request, OpenAIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(OpenAIError)
+    async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(request, exc)
+
+    @app.exception_handler(Exception)
+    async def _any(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(request, from_exception(exc))
+
+
+def sse_error(error: OpenAIError) -> str:
+    return f"data: {json.dumps(error.body())}\n\n"

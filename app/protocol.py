@@ -1,0 +1,160 @@
+"""OpenAI HTTP API request and response models (the subset mini-infer serves), with vLLM's
+sampling extras. Requests are validated here; their sampling fields become ``SamplingParams``."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+
+
+class ErrorInfo(BaseModel):
+    message: str = Field(description="What went wrong, naming the field and the limit.")
+    type: str = Field(description="invalid_request_error, authentication_error, ...")
+    param: Optional[str] = Field(None, description="The request field at fault, if one is.")
+    code: Optional[str] = Field(None, description="A machine-readable code, e.g. "
+                                "context_length_exceeded.")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = Field(False, description="Send a last chunk with token usage.")
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(description="The served model's name.")
+    n: int = Field(1, description="Choices to generate.")
+    temperature: float = Field(1.0, description="0 = greedy.")
+    top_p: float = Field(1.0, description="Nucleus sampling mass, in (0, 1].")
+    stream: bool = Field(False, description="Server-sent events instead of one JSON body.")
+    stream_options: Optional[StreamOptions] = Field(None, description="Streaming extras.")
+    stop: Union[str, list[str], None] = Field(None, description="Stop strings.")
+    presence_penalty: float = Field(0.0, description="In [-2, 2].")
+    frequency_penalty: float = Field(0.0, description="In [-2, 2].")
+    logit_bias: Optional[dict[str, float]] = Field(None, description="Token id -> bias in [-100, 100].")
+    seed: Optional[int] = Field(None, description="Makes sampling repeatable.")
+    user: Optional[str] = Field(None, description="Ignored (OpenAI's end-user id).")
+    # vLLM's extras
+    top_k: int = Field(-1, description="Keep the k most likely tokens; -1 or 0 = off.")
+    min_p: float = Field(0.0, description="Drop tokens below min_p x the top probability.")
+    repetition_penalty: float = Field(1.0, description="transformers' repetition penalty, > 0.")
+    ignore_eos: bool = Field(False, description="Keep generating after EOS.")
+    min_tokens: int = Field(0, description="Tokens to generate before EOS may end it.")
+    stop_token_ids: Optional[list[int]] = Field(None, description="Token ids that end generation.")
+    include_stop_str_in_output: bool = Field(False, description="Keep the stop string in the text.")
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+
+    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        """The engine's parameters (deltas: the service streams or accumulates them).
+
+        Raises:
+            ValueError: naming the field and its allowed range.
+        """
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
+            include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            logit_bias=_logit_bias(self.logit_bias), output_kind=RequestOutputKind.DELTA)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+def _logit_bias(bias: Optional[dict[str, float]]) -> dict[int, float]:
+    try:
+        return {int(k): v for k, v in (bias or {}).items()}
+    except ValueError:
+        raise ValueError(f"logit_bias keys must be token ids (integers); got {list(bias)}") from None
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``."""
+
+    prompt: Union[str, list[int], list[str], list[list[int]]] = Field(
+        description="The prompt: text or token ids (one prompt).")
+    max_tokens: Optional[int] = Field(16, description="Most tokens per choice.")
+    logprobs: Optional[int] = Field(None, description=f"Top alternatives per token, 0..{MAX_LOGPROBS}.")
+    echo: bool = Field(False, description="Not supported: must be false.")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo is not supported")
+        return echo
+
+    def single_prompt(self) -> Union[str, list[int]]:
+        """The prompt, unwrapped from a one-element list.
+
+        Raises:
+            ValueError: for a batch of several prompts.
+        """
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError(f"prompt: one prompt per request is supported; got {len(prompt)}")
+            prompt = prompt[0]
+        return prompt
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"] = Field(description="Author.")
+    content: Union[str, list[dict[str, Any]], None] = Field(description="Text, or text parts.")
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    max_tokens: Optional[int] = Field(None, description="Most tokens per choice (deprecated name).")
+    max_completion_tokens: Optional[int] = Field(None, description="Most tokens per choice.")
+    logprobs: bool = Field(False, description="Return the sampled tokens' log probabilities.")
+    top_logprobs: Optional[int] = Field(None, description=f"Alternatives per token, 0..{MAX_LOGPROBS}.")
+
+    def max_new_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> Optional[int]:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ValueError("top_logprobs needs logprobs to be true")
+            return None
+        return self.top_logprobs or 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = Field(description="Tokens in the prompt.")
+    completion_tokens: int = Field(description="Tokens generated, all choices.")
+    total_tokens: int = Field(description="Their sum.")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())

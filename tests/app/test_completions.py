@@ -1,0 +1,87 @@
+"""The OpenAI API over real HTTP with the official client: completions and chat, streaming
+and not, usage, n, seeds, logprobs, models, health."""
+import requests
+
+from tests.app.conftest import MODEL
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_main_command_answers_the_capital_of_france(client):
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.object == "chat.completion" and reply.model == MODEL
+
+
+def test_streamed_greedy_text_equals_the_non_streamed_text(client):
+    kwargs = dict(model=MODEL, prompt="The three largest cities of Europe are", temperature=0, max_tokens=40)
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    chat_full = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0)
+    chat_chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
+                                                      stream=True))
+    assert chat_chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices)
+    assert streamed == chat_full.choices[0].message.content
+
+
+def test_usage_counts_equal_the_tokenizer(client, tokenizer):
+    prompt = "Write one sentence about the sea."
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.prompt_tokens == len(tokenizer(prompt).input_ids)
+    assert out.usage.completion_tokens == 12
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0)
+    templated = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    assert chat.usage.prompt_tokens == len(tokenizer(templated, add_special_tokens=False).input_ids)
+    stream = list(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert stream[-1].choices == [] and stream[-1].usage.model_dump() == chat.usage.model_dump()
+
+
+def test_n_choices_and_a_seed_that_repeats(client):
+    kwargs = dict(model=MODEL, prompt="A name for a cat:", max_tokens=10, temperature=1.0, n=2, seed=1234)
+    first = client.completions.create(**kwargs)
+    again = client.completions.create(**kwargs)
+    assert sorted(c.index for c in first.choices) == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert first.choices[0].text != first.choices[1].text
+    streamed = list(client.completions.create(**kwargs, stream=True))
+    by_index = {0: "", 1: ""}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            by_index[choice.index] += choice.text
+    assert [by_index[0], by_index[1]] == [c.text for c in first.choices]
+
+
+def test_logprobs_in_the_openai_shapes(client):
+    out = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(top) == 3 and max(top.values()) == pytest_approx(tok) for top, tok in
+               zip(lp.top_logprobs, lp.token_logprobs))
+    assert "".join(lp.tokens) == out.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=5,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].top_logprobs[0].token == content[0].token  # greedy: the top one
+    assert bytes(content[0].bytes).decode() == content[0].token
+
+
+def pytest_approx(value):
+    import pytest
+
+    return pytest.approx(value, abs=1e-6)
+
+
+def test_models_health_and_readiness(api, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert requests.get(api.url + "/health", timeout=10).json() == {"status": "ok"}
+    assert requests.get(api.url + "/ready", timeout=60).json() == {"status": "ready"}
+    replicas = requests.get(api.url + "/stats", timeout=10).json()["replicas"]
+    assert len(replicas) == 1 and replicas[0]["num_total_blocks"] > 0

@@ -1,0 +1,93 @@
+"""Clients that go away free their blocks within a step; metrics reach Ray's endpoint."""
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+
+import aiohttp
+import requests
+
+from tests.app.conftest import MODEL
+
+
+async def _stats(session, url):
+    async with session.get(url + "/stats") as response:
+        return (await response.json())["replicas"][0]
+
+
+async def _wait_idle(session, url, timeout):
+    deadline = time.monotonic() + timeout
+    stats = None
+    while time.monotonic() < deadline:
+        stats = await _stats(session, url)
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0 \
+                and stats["num_free_blocks"] == stats["num_total_blocks"]:
+            return True, stats
+        await asyncio.sleep(0.05)
+    return False, stats
+
+
+def test_streams_cut_after_their_first_chunk_free_everything_within_2s(api):
+    body = {"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+
+    async def first_chunk_then_leave(session, i):
+        async with session.post(api.url + "/v1/completions", json={**body, "seed": i}) as response:
+            assert response.status == 200
+            async for line in response.content:
+                if line.startswith(b"data: {"):
+                    return  # leaving the context closes the connection
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(first_chunk_then_leave(session, i) for i in range(20)))
+            cut_at = time.monotonic()
+            idle, stats = await _wait_idle(session, api.url, timeout=2.0)
+            return idle, stats, time.monotonic() - cut_at
+
+    idle, stats, seconds = asyncio.run(main())
+    assert idle, f"not idle {seconds:.2f}s after 20 disconnects: {stats}"
+
+
+def test_a_non_streaming_client_that_leaves_aborts_its_request(api):
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 2000, "ignore_eos": True}
+            try:
+                async with session.post(api.url + "/v1/completions", json=body,
+                                        timeout=aiohttp.ClientTimeout(total=1.0)) as response:
+                    await response.read()
+            except asyncio.TimeoutError:
+                pass
+            return await _wait_idle(session, api.url, timeout=2.0)
+
+    idle, stats = asyncio.run(main())
+    assert idle, stats
+
+
+def _ray_metrics_text() -> str:
+    """Prometheus text from every target Ray lists for its metrics (its service discovery file)."""
+    targets = json.loads(Path("/tmp/ray/prom_metrics_service_discovery.json").read_text())[0]["targets"]
+    return "\n".join(requests.get(f"http://{t}/metrics", timeout=10).text for t in targets)
+
+
+def test_engine_metrics_are_exported_by_ray(api):
+    requests.post(api.url + "/v1/completions", timeout=60,
+                  json={"model": MODEL, "prompt": "Hi", "max_tokens": 5, "temperature": 0})
+    requests.post(api.url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "Hi", "top_p": 9})
+    expected = ["mini_infer_num_requests_running", "mini_infer_num_requests_waiting",
+                "mini_infer_kv_cache_usage_perc", "mini_infer_prompt_tokens_total",
+                "mini_infer_generation_tokens_total", "mini_infer_time_to_first_token_seconds_bucket",
+                "mini_infer_time_per_output_token_seconds_bucket", "mini_infer_inter_token_latency_seconds_bucket",
+                "mini_infer_e2e_request_latency_seconds_bucket", "mini_infer_request_success_total",
+                "mini_infer_http_errors_total"]
+    patterns = [rf"^ray_{name}\{{" for name in expected] + [
+        r'^ray_mini_infer_http_errors_total\{[^}]*status_code="400"',
+        r'^ray_mini_infer_request_success_total\{[^}]*finished_reason="length"']
+    deadline = time.monotonic() + 30  # Ray exports on a period of a few seconds
+    missing = patterns
+    while missing and time.monotonic() < deadline:
+        text = _ray_metrics_text()
+        missing = [p for p in patterns if not re.search(p, text, re.M)]
+        time.sleep(1.0)
+    assert not missing, f"not exported: {missing}"

@@ -1,0 +1,71 @@
+"""Bad input gets its documented 4xx with OpenAI's error envelope, streaming or not, before
+any SSE header; a normal request succeeds afterwards."""
+import pytest
+import requests
+
+from tests.app.conftest import MODEL
+
+LONG_PROMPT = "hello " * 9000  # > 8192 tokens
+
+
+def _error_cases():
+    ok = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+    # (name, path, body or raw text, status, param, code, message fragment)
+    return [
+        ("malformed json", "/v1/completions", '{"model": "x", ', 400, None, None, "not valid JSON"),
+        ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt", None, "prompt is required"),
+        ("missing messages", "/v1/chat/completions", {"model": MODEL}, 400, "messages", None, "required"),
+        ("missing model", "/v1/completions", {"prompt": "x"}, 400, "model", None, "model is required"),
+        ("wrong type", "/v1/completions", {**ok, "max_tokens": "ten"}, 400, "max_tokens", None, "integer"),
+        ("wrong type temperature", "/v1/completions", {**ok, "temperature": "hot"}, 400, "temperature", None, "number"),
+        ("temperature -1", "/v1/completions", {**ok, "temperature": -1}, 400, "temperature", None, "temperature must be >= 0"),
+        ("top_p 1.5", "/v1/completions", {**ok, "top_p": 1.5}, 400, "top_p", None, "top_p must be in (0, 1]"),
+        ("max_tokens -1", "/v1/completions", {**ok, "max_tokens": -1}, 400, "max_tokens", None, "max_tokens must be >= 1"),
+        ("n 0", "/v1/completions", {**ok, "n": 0}, 400, "n", None, "n must be an integer in [1, 128]"),
+        ("empty prompt", "/v1/completions", {**ok, "prompt": ""}, 400, "prompt", None, "prompt is empty"),
+        ("prompt over max_model_len", "/v1/completions", {**ok, "prompt": LONG_PROMPT}, 400, "prompt",
+         "context_length_exceeded", "exceeds max_model_len (8192)"),
+        ("chat over max_model_len", "/v1/chat/completions",
+         {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "prompt",
+         "context_length_exceeded", "exceeds max_model_len"),
+        ("unknown model", "/v1/completions", {**ok, "model": "gpt-7"}, 404, "model", "model_not_found", "'gpt-7' does not exist"),
+        ("bad chat role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
+         400, "messages.0.role", None, "messages.0.role"),
+        ("token id out of range", "/v1/completions", {**ok, "prompt": [1, 2, 10**6]}, 400, "prompt", None, "outside the vocabulary"),
+    ]
+
+
+def _post(api, path, body, stream):
+    if isinstance(body, str):
+        return requests.post(api.url + path, data=body, headers={"content-type": "application/json"}, timeout=60)
+    return requests.post(api.url + path, json={**body, "stream": stream}, timeout=60)
+
+
+@pytest.mark.parametrize("case", _error_cases(), ids=lambda c: c[0])
+def test_bad_input_gets_the_envelope_streaming_or_not(api, case):
+    name, path, body, status, param, code, fragment = case
+    responses = [_post(api, path, body, stream) for stream in (False, True)]
+    for response in responses:
+        assert response.status_code == status, response.text
+        assert response.headers["content-type"].startswith("application/json")
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert fragment in error["message"]
+        assert (error["param"], error["code"]) == (param, code)
+        assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert responses[0].json() == responses[1].json()
+
+
+def test_unknown_route_and_method_get_the_envelope(api):
+    response = requests.get(api.url + "/v1/nothing", timeout=10)
+    assert response.status_code == 404 and response.json()["error"]["message"] == "Not Found"
+    response = requests.get(api.url + "/v1/completions", timeout=10)
+    assert response.status_code == 405 and "error" in response.json()
+
+
+def test_a_normal_request_succeeds_after_the_bad_ones(api):
+    response = requests.post(api.url + "/v1/completions", timeout=60,
+                             json={"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert response.status_code == 200 and len(response.json()["choices"]) == 1
+    stats = requests.get(api.url + "/stats", timeout=10).json()["replicas"][0]
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]

@@ -1,0 +1,110 @@
+"""Start the real Serve application in a subprocess and wait until it answers; stop it and
+every process it started (Ray's too) afterwards. Traffic goes to 127.0.0.1 only."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+import psutil
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_URL = "http://127.0.0.1:8000"
+
+
+class ServeProcess:
+    """``with ServeProcess(["make", "run"]) as app: requests.get(app.url + "/health")``.
+
+    Args:
+        command: the command line, run in the repository root.
+        env: extra environment variables.
+        timeout: seconds to wait for ``/ready`` before failing.
+    """
+
+    def __init__(self, command: list[str], env: Optional[dict] = None, timeout: float = 300,
+                 num_engine_replicas: int = 1) -> None:
+        self.command = command
+        self.num_engine_replicas = num_engine_replicas
+        self.env = {**os.environ, **(env or {})}
+        self.timeout = timeout
+        self.url = BASE_URL
+        self.process: Optional[subprocess.Popen] = None
+        self.log_path = ROOT / ".pytest_cache" / f"serve-{int(time.time())}.log"
+
+    def __enter__(self) -> "ServeProcess":
+        _wait_port_free(timeout=60)
+        self.log_path.parent.mkdir(exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(self.command, cwd=ROOT, env=self.env, stdout=self._log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.command} exited with {self.process.returncode}: "
+                                   f"{self.log_tail()}")
+            if _get_ok(self.url + "/ready") and self.num_replicas_up() >= self.num_engine_replicas:
+                return self
+            time.sleep(1.0)
+        self.__exit__(None, None, None)
+        raise TimeoutError(f"{self.command} not ready after {self.timeout}s: {self.log_tail()}")
+
+    def __exit__(self, *exc) -> None:
+        if self.process is None:
+            return
+        family = _family(self.process.pid)
+        try:
+            os.killpg(self.process.pid, signal.SIGINT)  # serve run shuts Serve and Ray down
+            self.process.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        for proc in family:  # anything Ray left behind
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(family, timeout=10)
+        self._log.close()
+
+    def num_replicas_up(self) -> int:
+        try:
+            return len(requests.get(self.url + "/stats", timeout=30).json()["replicas"])
+        except (requests.RequestException, ValueError, KeyError):
+            return 0
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text()[-num_chars:]
+        except OSError:
+            return ""
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=30).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def _family(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root] + root.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _wait_port_free(timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            requests.get(BASE_URL, timeout=1)
+        except requests.ConnectionError:
+            return
+        except requests.RequestException:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"{BASE_URL} is still in use by another server")
