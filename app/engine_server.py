@@ -19,6 +19,7 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger("ray.serve")
 
 _STATS_PERIOD_S = 1.0
+_MIN_LOGPROB = -9999.0  # JSON has no -inf: a masked token's logprob is reported as this (vLLM's)
 
 
 class EngineServer:
@@ -152,7 +153,8 @@ def output_to_dict(output: RequestOutput, replica_id: str) -> dict:
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
             "logprobs": None if c.logprobs is None else [
-                [[token_id, lp.logprob, lp.rank, lp.decoded_token] for token_id, lp in entry.items()]
+                [[token_id, max(lp.logprob, _MIN_LOGPROB), lp.rank, lp.decoded_token]
+                 for token_id, lp in entry.items()]
                 for entry in c.logprobs],
         } for c in output.outputs],
     }

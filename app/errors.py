@@ -2,6 +2,7 @@
 ``{"error": {"message", "type", "param", "code"}}``; FastAPI's own 422 body never escapes."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Optional
@@ -9,8 +10,9 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.exceptions import RayActorError, TaskCancelledError
+from ray.serve.exceptions import (BackPressureError, DeploymentUnavailableError,
+                                 RequestCancelledError)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.protocol import ErrorInfo, ErrorResponse
@@ -49,6 +51,9 @@ def from_exception(exc: BaseException) -> OpenAIError:
     cause = _unwrap(exc)
     if isinstance(cause, OpenAIError):
         return cause
+    if _is_cancellation(cause):  # the client went away; nobody reads this response
+        return OpenAIError(499, "the client closed the request", code="client_closed_request",
+                           error_type="client_closed_request")
     if isinstance(cause, ContextLengthExceededError):
         return OpenAIError(400, str(cause), cause.param, "context_length_exceeded")
     if isinstance(cause, InvalidRequestError):
@@ -65,6 +70,12 @@ def from_exception(exc: BaseException) -> OpenAIError:
     return OpenAIError(500, f"internal error: {type(cause).__name__}: {cause}", code="internal_error")
 
 
+def _is_cancellation(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_is_cancellation(e) for e in exc.exceptions)
+    return isinstance(exc, (asyncio.CancelledError, TaskCancelledError, RequestCancelledError))
+
+
 def _unwrap(exc: BaseException) -> BaseException:
     """Ray re-raises a replica's exception as a ``RayTaskError`` whose ``cause`` is the
     original (its attributes, like ``param``, live there)."""
@@ -74,19 +85,28 @@ def _unwrap(exc: BaseException) -> BaseException:
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
-    first = exc.errors()[0] if exc.errors() else {}
+    # Of a union's per-member errors, the deepest is the one about what the client meant.
+    first = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
     if first.get("type") == "json_invalid":
         return OpenAIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
-    location = [str(part) for part in first.get("loc", ())][1:]  # drop "body" / "query"
+    location = [str(part) for part in first.get("loc", ())[1:]  # drop "body" / "query"
+                if not _is_union_tag(part)]
     param = ".".join(location) or None
     message = first.get("msg", "invalid request")
     if first.get("type") == "missing":
-        message = f"{param} is required"
-    elif param:
+        message = f"{param} is required" if param else "the request body (a JSON object) is required"
+    elif not param:
+        message = f"the request body must be a JSON object: {message}"
+    elif isinstance(first.get("ctx", {}).get("error"), ValueError):
+        message = f"{param}: {first['ctx']['error']}"
+    else:
         message = f"{param}: {message}"
-        if isinstance(first.get("ctx", {}).get("error"), ValueError):
-            message = f"{param}: {first['ctx']['error']}"
     return OpenAIError(400, message, param)
+
+
+def _is_union_tag(part) -> bool:
+    """pydantic names the member of a union in the error location (``str``, ``list[TextPart]``)."""
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict"})
 
 
 def error_response(request: Request, error: OpenAIError) -> JSONResponse:

@@ -29,6 +29,21 @@ fastapi_app = FastAPI(title="mini-infer", description="OpenAI-compatible LLM inf
 install_error_handlers(fastapi_app)
 
 
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    """Answer 401 to ``/v1/*`` requests without ``Authorization: Bearer <api_key>``, before
+    their body is read (so before any 400)."""
+    expected = f"Bearer {api_key}"
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        if request.url.path.startswith("/v1/") and not hmac.compare_digest(
+                request.headers.get("authorization", ""), expected):
+            return error_response(request, OpenAIError(
+                401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key"))
+        return await call_next(request)
+
+
 def _or_400(value_or_factory):
     """Call ``value_or_factory`` (a method or lambda); its ``ValueError`` becomes a 400."""
     try:
@@ -53,16 +68,8 @@ class OpenAIIngress:
         self.engine = engine
         self.engine_stream = engine.options(stream=True)  # made once, used by every request
         self.http_metrics = fastapi_app.state.http_metrics = HttpMetrics()
-
-        @fastapi_app.middleware("http")
-        async def authorize(request: Request, call_next):
-            if config.api_key and request.url.path.startswith("/v1/"):
-                expected = f"Bearer {config.api_key}"
-                if not hmac.compare_digest(request.headers.get("authorization", ""), expected):
-                    return error_response(request, OpenAIError(
-                        401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                        code="invalid_api_key"))
-            return await call_next(request)
+        if config.api_key:
+            _require_api_key(fastapi_app, config.api_key)
 
     # ---- OpenAI endpoints ----------------------------------------------------------------
 
@@ -82,7 +89,7 @@ class OpenAIIngress:
         params = self._params(body, body.max_new_tokens(), num_logprobs)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         formatter = ChatFormatter(self.config.model_name, body.n, num_logprobs, body.include_usage)
-        return await self._respond(body, {"messages": messages}, params, formatter)
+        return await self._respond(body, {"messages": messages}, params, formatter, prompt_param="messages")
 
     @fastapi_app.get("/v1/models")
     async def models(self):
@@ -132,7 +139,7 @@ class OpenAIIngress:
         return _or_400(lambda: body.sampling_params(max_tokens, logprobs))
 
     async def _respond(self, body: SamplingRequest, prompt: dict, params: SamplingParams,
-                       formatter: ResponseFormatter):
+                       formatter: ResponseFormatter, prompt_param: str = "prompt"):
         request_id = uuid.uuid4().hex
         stream = self.engine_stream.generate.remote(prompt, params, request_id)
         try:
@@ -141,7 +148,10 @@ class OpenAIIngress:
             stream.cancel()
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            raise from_exception(exc) from exc
+            error = from_exception(exc)
+            if error.param == "prompt":  # the engine says "prompt"; a chat request sent messages
+                error.param = prompt_param
+            raise error from exc
         headers = {REPLICA_HEADER: first["replica_id"]}
         if body.stream:
             return StreamingResponse(self._sse(first, stream, formatter), headers=headers,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -114,15 +114,22 @@ class CompletionRequest(SamplingRequest):
         return prompt
 
 
+class TextPart(BaseModel):
+    """A content part; only text is served."""
+
+    type: Literal["text"] = Field(description="Only 'text' parts are supported.")
+    text: str = Field(description="The text.")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"] = Field(description="Author.")
-    content: Union[str, list[dict[str, Any]], None] = Field(description="Text, or text parts.")
+    content: Union[str, list[TextPart], None] = Field(description="Text, or text parts.")
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(part.text for part in self.content)
         return self.content or ""
 
 

@@ -34,9 +34,8 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer.backend_tokenizer
         self._stream = DecodeStream(ids=prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:],
                                     skip_special_tokens=params.skip_special_tokens)
-        self._stop = params.stop
+        self._stops = [StopMatcher(stop) for stop in params.stop]
         self._include_stop = params.include_stop_str_in_output
-        self._longest_stop = max((len(s) for s in self._stop), default=0)
         self.output_text = ""
         self.num_emitted_chars = 0
 
@@ -46,18 +45,19 @@ class IncrementalDetokenizer:
         delta = self._stream.step(self._tokenizer, token_id)
         if not delta:
             return None  # a partial character: nothing to decode yet
-        # A new match must end inside the delta, so it starts at most longest-1 chars back.
-        search_from = max(0, len(self.output_text) - self._longest_stop + 1)
+        start = len(self.output_text)
         self.output_text += delta
-        return self._cut_at_stop(search_from)
-
-    def _cut_at_stop(self, search_from: int) -> Optional[str]:
-        found = [(i, s) for s in self._stop if (i := self.output_text.find(s, search_from)) >= 0]
-        if not found:
+        if not self._stops:
             return None
-        index, stop = min(found)
-        self.output_text = self.output_text[: index + (len(stop) if self._include_stop else 0)]
-        return stop
+        # The earliest stop string to complete inside the delta wins.
+        for offset, char in enumerate(delta):
+            for matcher in self._stops:
+                if matcher.feed(char):
+                    end = start + offset + 1
+                    cut = end if self._include_stop else end - len(matcher.stop)
+                    self.output_text = self.output_text[:cut]
+                    return matcher.stop
+        return None
 
     def pop_delta(self, finished: bool) -> str:
         """The text not emitted yet; while running, minus a tail that may start a stop string."""
@@ -72,8 +72,38 @@ class IncrementalDetokenizer:
 
     def _partial_stop_len(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        text = self.output_text
-        for length in range(min(self._longest_stop - 1, len(text)), 0, -1):
-            if any(s.startswith(text[-length:]) for s in self._stop):
-                return length
-        return 0
+        return max((m.matched for m in self._stops), default=0)
+
+
+class StopMatcher:
+    """Finds one stop string in text fed a character at a time, in O(1) amortized per
+    character (the Knuth-Morris-Pratt automaton), however long the string is.
+
+    ``matched`` is the length of the longest prefix of ``stop`` that the text ends with.
+    """
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.matched = 0
+        # failure[i]: the longest proper prefix of stop[:i + 1] that is also its suffix
+        self._failure = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self._failure[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self._failure[i] = k
+
+    def feed(self, char: str) -> bool:
+        """Advance by one character; True when the text now ends with the stop string."""
+        k = self.matched
+        while k and char != self.stop[k]:
+            k = self._failure[k - 1]
+        if char == self.stop[k]:
+            k += 1
+        if k == len(self.stop):
+            self.matched = self._failure[k - 1]
+            return True
+        self.matched = k
+        return False

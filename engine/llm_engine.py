@@ -78,6 +78,9 @@ class LLMEngine:
         self._check_params(params)
         max_len = self.config.scheduler.max_model_len
         max_tokens = params.max_tokens or max(1, max_len - len(token_ids))
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} "
+                                      f"tokens max_model_len ({max_len}) leaves for output", "min_tokens")
         request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
                           sampling_params=params, eos_token_id=self.eos_token_id,
                           max_tokens=max_tokens)
@@ -127,9 +130,20 @@ class LLMEngine:
         return {"prompt": text, "prompt_token_ids": self.tokenize(text, add_special_tokens=False)}
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``.
+
+        Raises:
+            InvalidRequestError: without a tokenizer, or for text that is not valid Unicode
+                (a lone surrogate such as ``"\\udfff"`` has no UTF-8 encoding).
+        """
         if self.tokenizer is None:
             raise InvalidRequestError(f"model {self.config.model!r} has no tokenizer: "
                                       "pass prompt_token_ids instead of text", "prompt")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError(f"prompt: the text is not valid Unicode ({exc.reason} at "
+                                      f"character {exc.start})", "prompt") from None
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -9,6 +10,7 @@ from engine.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; each costs the detokenizer a little per character
 
 
 class RequestOutputKind(enum.Enum):
@@ -37,7 +39,7 @@ class SamplingParams:
 
     Attributes:
         n: sequences to generate from the prompt (its KV blocks are shared).
-        temperature: softmax temperature; below 1e-5 (0 included) means greedy.
+        temperature: softmax temperature, finite; below 1e-5 (0 included) means greedy.
         top_p: keep the smallest set of tokens whose probability reaches ``top_p``
             (Holtzman et al. 2019); in (0, 1], 1 disables it.
         top_k: keep the ``top_k`` most likely tokens; -1 or 0 disables it, and a value
@@ -45,14 +47,14 @@ class SamplingParams:
         min_p: drop tokens whose probability is below ``min_p`` times the most likely one's;
             in [0, 1], 0 disables it.
         repetition_penalty: transformers' (Keskar et al. 2019): over prompt and output
-            tokens, positive logits are divided by it and negative ones multiplied; > 0,
-            1 disables it.
+            tokens, positive logits are divided by it and negative ones multiplied; in
+            [0.01, 100], 1 disables it.
         presence_penalty: OpenAI's: subtracted once from each token already in the output;
             in [-2, 2].
         frequency_penalty: OpenAI's: subtracted per occurrence in the output; in [-2, 2].
         seed: seeds this request's own random draws, so that its output depends only on its
             prompt, parameters and seed, whatever else shares the batch.
-        stop: strings that end generation; the text is cut before them.
+        stop: up to 16 strings that end generation; the text is cut before them.
         stop_token_ids: token ids that end generation (kept in the output ids).
         include_stop_str_in_output: keep the matched stop string in the text.
         ignore_eos: keep generating after the end-of-sequence token.
@@ -92,12 +94,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "an integer in [1, 128]", self.n)
-        _check(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        _check(0 <= self.temperature < math.inf, "temperature", "a finite number >= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
                "-1 or 0 (off) or an integer >= 1", self.top_k)
         _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
-        _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
+        _check(0.01 <= self.repetition_penalty <= 100, "repetition_penalty", "in [0.01, 100]",
+               self.repetition_penalty)
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]", self.presence_penalty)
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "in [0, 2**63)", self.seed)
@@ -113,7 +116,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
+        _check(len(self.stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in self.stop),
+               "stop", f"at most {MAX_STOP_STRINGS} non-empty strings", self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.top_k == 0:

@@ -85,3 +85,11 @@ def test_models_health_and_readiness(api, client):
     assert requests.get(api.url + "/ready", timeout=60).json() == {"status": "ready"}
     replicas = requests.get(api.url + "/stats", timeout=10).json()["replicas"]
     assert len(replicas) == 1 and replicas[0]["num_total_blocks"] > 0
+
+
+def test_chat_content_as_text_parts(client):
+    parts = [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}],
+                                           temperature=0)
+    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0)
+    assert reply.choices[0].message.content == plain.choices[0].message.content

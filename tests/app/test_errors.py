@@ -18,7 +18,7 @@ def _error_cases():
         ("missing model", "/v1/completions", {"prompt": "x"}, 400, "model", None, "model is required"),
         ("wrong type", "/v1/completions", {**ok, "max_tokens": "ten"}, 400, "max_tokens", None, "integer"),
         ("wrong type temperature", "/v1/completions", {**ok, "temperature": "hot"}, 400, "temperature", None, "number"),
-        ("temperature -1", "/v1/completions", {**ok, "temperature": -1}, 400, "temperature", None, "temperature must be >= 0"),
+        ("temperature -1", "/v1/completions", {**ok, "temperature": -1}, 400, "temperature", None, "temperature must be a finite number >= 0"),
         ("top_p 1.5", "/v1/completions", {**ok, "top_p": 1.5}, 400, "top_p", None, "top_p must be in (0, 1]"),
         ("max_tokens -1", "/v1/completions", {**ok, "max_tokens": -1}, 400, "max_tokens", None, "max_tokens must be >= 1"),
         ("n 0", "/v1/completions", {**ok, "n": 0}, 400, "n", None, "n must be an integer in [1, 128]"),
@@ -26,8 +26,31 @@ def _error_cases():
         ("prompt over max_model_len", "/v1/completions", {**ok, "prompt": LONG_PROMPT}, 400, "prompt",
          "context_length_exceeded", "exceeds max_model_len (8192)"),
         ("chat over max_model_len", "/v1/chat/completions",
-         {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "prompt",
+         {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "messages",
          "context_length_exceeded", "exceeds max_model_len"),
+        ("empty body", "/v1/completions", "", 400, None, None, "the request body (a JSON object) is required"),
+        ("null body", "/v1/completions", "null", 400, None, None, "the request body must be a JSON object"),
+        ("non-string text part", "/v1/chat/completions",
+         {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": 123}]}]},
+         400, "messages.0.content.0.text", None, "messages.0.content.0.text: Input should be a valid string"),
+        ("image part", "/v1/chat/completions",
+         {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         400, "messages.0.content.0.type", None, "Input should be 'text'"),
+        ("lone surrogate", "/v1/completions", '{"model": "%s", "prompt": "\\udfff hi"}' % MODEL, 400, "prompt",
+         None, "not valid Unicode"),
+        ("lone surrogate in chat", "/v1/chat/completions",
+         '{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % MODEL, 400, "messages",
+         None, "not valid Unicode"),
+        ("tiny repetition_penalty", "/v1/completions", {**ok, "repetition_penalty": 1e-45}, 400,
+         "repetition_penalty", None, "repetition_penalty must be in [0.01, 100]"),
+        ("infinite temperature", "/v1/completions",
+         '{"model": "%s", "prompt": "Hi", "temperature": 1e309}' % MODEL, 400, "temperature", None,
+         "temperature must be a finite number >= 0"),
+        ("too many stop strings", "/v1/completions", {**ok, "stop": [str(i) for i in range(17)]}, 400, "stop",
+         None, "at most 16 non-empty strings"),
+        ("min_tokens beyond the room left", "/v1/completions",
+         {"model": MODEL, "prompt": [7] * 8190, "max_tokens": None, "min_tokens": 5}, 400, "min_tokens", None,
+         "min_tokens (5) exceeds the 2 tokens"),
         ("unknown model", "/v1/completions", {**ok, "model": "gpt-7"}, 404, "model", "model_not_found", "'gpt-7' does not exist"),
         ("bad chat role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
          400, "messages.0.role", None, "messages.0.role"),
@@ -36,7 +59,9 @@ def _error_cases():
 
 
 def _post(api, path, body, stream):
-    if isinstance(body, str):
+    if isinstance(body, str):  # raw JSON text, sent as is (streaming added where it can be)
+        if stream and body.endswith("}") and body.startswith("{"):
+            body = body[:-1] + ', "stream": true}'
         return requests.post(api.url + path, data=body, headers={"content-type": "application/json"}, timeout=60)
     return requests.post(api.url + path, json={**body, "stream": stream}, timeout=60)
 

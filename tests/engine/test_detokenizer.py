@@ -81,3 +81,26 @@ def test_earliest_of_several_stop_strings_wins(tokenizer):
     ids = tokenizer("alpha beta gamma delta").input_ids
     _, matched, detok = stream(tokenizer, ids, SamplingParams(stop=["delta", "beta", "gamma delta"]))
     assert matched == "beta" and detok.output_text == "alpha "
+
+
+def test_stop_matcher_finds_overlapping_and_repeated_prefixes():
+    from engine.detokenizer import StopMatcher
+
+    matcher = StopMatcher("abab")
+    hits = [i for i, c in enumerate("aabababx") if matcher.feed(c)]
+    assert hits == [4, 6]  # "aabab" and "aababab" end with "abab"
+    matcher = StopMatcher("aab")
+    assert [matcher.feed(c) for c in "aaab"] == [False, False, False, True]
+    matcher = StopMatcher("xyz")
+    for c in "wxy":
+        matcher.feed(c)
+    assert matcher.matched == 2
+
+
+def test_long_stop_strings_hold_back_only_their_matched_prefix(tokenizer):
+    stops = [("ab" * 5000) + str(i) for i in range(16)]  # 16 stop strings of 10k characters
+    ids = tokenizer("ab" * 3000).input_ids
+    detok = IncrementalDetokenizer(tokenizer, [1], SamplingParams(stop=stops))
+    emitted = "".join(detok.pop_delta(finished=False) for _ in map(detok.step, ids))
+    assert emitted == ""  # all of "abab..." could still become a stop string
+    assert detok.pop_delta(finished=True) == "ab" * 3000

@@ -118,12 +118,13 @@ def test_stop_token_ids_and_logprobs(llm):
 
 
 def test_invalid_parameters_name_the_field_and_range():
-    cases = [(dict(temperature=-1), "temperature must be >= 0"), (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    cases = [(dict(temperature=-1), "temperature must be a finite number >= 0"),
+             (dict(temperature=float("inf")), "temperature must be a finite number"), (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
              (dict(top_k=-2), "top_k must be"), (dict(n=0), r"n must be an integer in \[1, 128\]"),
              (dict(max_tokens=0), "max_tokens must be >= 1"), (dict(min_p=2), r"min_p must be in \[0, 1\]"),
              (dict(presence_penalty=3), r"presence_penalty must be in \[-2, 2\]"),
-             (dict(repetition_penalty=0), "repetition_penalty must be > 0"),
-             (dict(logprobs=21), r"logprobs must be in \[0, 20\]"), (dict(stop=[""]), "stop must be non-empty"),
+             (dict(repetition_penalty=1e-45), r"repetition_penalty must be in \[0.01, 100\]"),
+             (dict(logprobs=21), r"logprobs must be in \[0, 20\]"), (dict(stop=[""]), "stop must be at most 16 non-empty strings"),
              (dict(logit_bias={1: 101}), r"bias in \[-100, 100\]"),
              (dict(min_tokens=5, max_tokens=4), r"min_tokens must be >= 0 and <= max_tokens \(4\)")]
     for kwargs, message in cases:
