@@ -1,0 +1,151 @@
+"""Shared pieces of the benchmarks: workloads, the machine's matmul rate, a workload's FLOPs,
+peak memory, percentiles, and where results go."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT))  # `python bench/x.py` imports the project's packages
+
+
+def load_workload(path: Path, quick: bool = False) -> dict:
+    """A workload file (``shared/workloads/*.json``); ``quick`` keeps 8 requests, their
+    prompts cut to 64 tokens and outputs to 16, for CI."""
+    workload = json.loads(Path(path).read_text())
+    if quick:
+        workload["requests"] = [
+            {**r, "prompt_token_ids": r["prompt_token_ids"][:64], "max_tokens": min(16, r["max_tokens"])}
+            for r in workload["requests"][:8]]
+        workload["name"] += "-quick"
+    return workload
+
+
+def machine_info() -> dict:
+    return {"machine": platform.machine(), "processor": _cpu_name(), "cpus": os.cpu_count(),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "date": datetime.date.today().isoformat()}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def matmul_flops_per_s(dtype: torch.dtype, device: str = "cpu", size: int = 2048, repeats: int = 5) -> float:
+    """The median rate of a ``size``-square matmul in ``dtype``: the roofline's compute roof."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    torch.matmul(a, b)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def workload_flops(config, requests: list[dict]) -> float:
+    """Matmul FLOPs to serve ``requests`` once each, with a KV cache (no recompute).
+
+    Per computed token (every prompt token and every output token but the last): 2 FLOPs per
+    weight of the decoder's linear layers, plus attention's ``QK^T`` and ``PV``: ``4 x layers
+    x num_heads x head_dim x context``. Per output token: the LM head, ``2 x hidden x vocab``.
+    (Kaplan et al. 2020, eq. 2.2, with attention counted exactly.)
+    """
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    linear = layers * (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+                       + 3 * hidden * config.intermediate_size)
+    total = 0.0
+    for r in requests:
+        prompt, output = len(r["prompt_token_ids"]), r["max_tokens"]
+        computed = prompt + output - 1
+        context_sum = computed * (computed + 1) / 2  # token t attends to t + 1 positions
+        total += 2 * linear * computed + 4 * layers * heads * head_dim * context_sum
+        total += 2 * hidden * config.vocab_size * output
+    return total
+
+
+class PeakMemory:
+    """Peak resident memory of this process (CPU) or peak CUDA allocation during a block."""
+
+    def __init__(self, device: str = "cpu", period_s: float = 0.05) -> None:
+        self.device, self.period_s = device, period_s
+        self.peak_bytes = 0
+        self.start_bytes = 0
+
+    @contextmanager
+    def measure(self) -> Iterator["PeakMemory"]:
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+            self.start_bytes = torch.cuda.memory_allocated()
+            yield self
+            self.peak_bytes = torch.cuda.max_memory_allocated()
+            return
+        process = psutil.Process()
+        self.start_bytes = self.peak_bytes = process.memory_info().rss
+        stop = threading.Event()
+
+        def sample():
+            while not stop.wait(self.period_s):
+                self.peak_bytes = max(self.peak_bytes, process.memory_info().rss)
+
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            thread.join()
+            self.peak_bytes = max(self.peak_bytes, process.memory_info().rss)
+
+    def as_dict(self) -> dict:
+        return {"peak_memory_gib": round(self.peak_bytes / 2**30, 3),
+                "peak_memory_increase_gib": round((self.peak_bytes - self.start_bytes) / 2**30, 3)}
+
+
+def percentiles(values: list[float], points=(50, 90, 99)) -> dict:
+    """``{"p50": ..., "p90": ..., "p99": ..., "mean": ...}`` (nearest-rank), or {} when empty."""
+    if not values:
+        return {}
+    ordered = sorted(values)
+    out = {f"p{p}": ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered)) - 1))]
+           for p in points}
+    out["mean"] = statistics.fmean(ordered)
+    return out
+
+
+def write_result(name: str, result: dict, out: Optional[Path] = None) -> Path:
+    path = out or RESULTS / f"{name}-{datetime.date.today().isoformat()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path

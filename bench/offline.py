@@ -1,0 +1,252 @@
+"""Offline throughput: a workload through mini-infer and through transformers, in one run.
+
+    python bench/offline.py --workload ../shared/workloads/w1_mixed.json [--dtype bfloat16]
+
+Systems, same model, dtype and device, one after the other in this process:
+
+- ``mini-infer``: ``LLM.generate`` on every request at once (continuous batching).
+- ``hf-static-B``: transformers ``generate()`` on static batches of B requests in arrival
+  order, left-padded, each batch run to its longest ``max_tokens``; only each request's own
+  ``max_tokens`` count as output.
+- ``hf-continuous``: transformers' own continuous batching (``generate_batch``'s manager),
+  with each request's ``max_tokens``.
+
+Every request is greedy and ignores EOS, so all systems produce the same number of tokens.
+All requests arrive at t = 0: TTFT is measured from the start of the run. The result JSON
+also gives the machine's measured matmul rate and the workload's FLOPs, so that each
+throughput is a fraction of the compute roofline.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from common import (PeakMemory, load_workload, machine_info, matmul_flops_per_s, percentiles,
+                    workload_flops, write_result)
+from engine import LLM, SamplingParams
+from engine.loader import load_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def run_mini_infer(model: str, dtype: str, device: str, requests: list[dict]) -> dict:
+    llm = LLM(model=model, dtype=dtype, device=device)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]
+    with PeakMemory(device).measure() as memory:
+        start = time.perf_counter()
+        outputs = llm.generate([r["prompt_token_ids"] for r in requests], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+    ttft, tpot = [], []
+    for output in outputs:
+        m, n = output.metrics, len(output.outputs[0].token_ids)
+        ttft.append(m.first_token_time - m.arrival_time)
+        if n > 1:
+            tpot.append((m.last_token_time - m.first_token_time) / (n - 1))
+    stats = llm.llm_engine.stats()
+    del llm
+    return _summary("mini-infer", requests, seconds, ttft, tpot, memory,
+                    num_preemptions=stats["num_preemptions"])
+
+
+def load_hf(model: str, dtype: str, device: str):
+    """transformers' model of the same spec and weights (the loader's cached directory, or a
+    random-weight model of the same shape for dummy specs)."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = load_model(model, load_weights=False)
+    if loaded.path is None:
+        hf = AutoModelForCausalLM.from_config(loaded.config, dtype=DTYPES[dtype])
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=DTYPES[dtype])
+    hf = hf.to(device).eval()
+    hf.generation_config.eos_token_id = None  # every request runs to its max_tokens
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+class _StepClock:
+    """A logits processor that only records when each decoding step happened."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+@torch.inference_mode()
+def run_hf_static(hf, requests: list[dict], batch_size: int, device: str) -> dict:
+    from transformers import LogitsProcessorList
+
+    ttft, tpot = [], []
+    with PeakMemory(device).measure() as memory:
+        start = time.perf_counter()
+        for i in range(0, len(requests), batch_size):
+            batch = requests[i:i + batch_size]
+            input_ids, attention_mask = _left_pad([r["prompt_token_ids"] for r in batch], device)
+            clock = _StepClock()
+            hf.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                        max_new_tokens=max(r["max_tokens"] for r in batch),
+                        logits_processor=LogitsProcessorList([clock]))
+            for r in batch:
+                ttft.append(clock.times[0] - start)
+                if r["max_tokens"] > 1:
+                    tpot.append((clock.times[r["max_tokens"] - 1] - clock.times[0]) / (r["max_tokens"] - 1))
+        seconds = time.perf_counter() - start
+    return _summary(f"hf-static-{batch_size}", requests, seconds, ttft, tpot, memory)
+
+
+def _left_pad(prompts: list[list[int]], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    mask = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, longest - len(prompt):] = torch.tensor(prompt)
+        mask[row, longest - len(prompt):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.inference_mode()
+def run_hf_continuous(hf, requests: list[dict], device: str) -> dict:
+    """transformers' continuous batching, each request with its own ``max_new_tokens``."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
+                              max_new_tokens=max(r["max_tokens"] for r in requests))
+    first_token, last_token = {}, {}
+    with PeakMemory(device).measure() as memory:
+        start = time.perf_counter()
+        with hf.continuous_batching_context_manager(generation_config=config, block=True, timeout=5,
+                                                    warmup=False) as manager:
+            ids = [manager.add_request(r["prompt_token_ids"], max_new_tokens=r["max_tokens"], streaming=True)
+                   for r in requests]
+            want = {request_id: r["max_tokens"] for request_id, r in zip(ids, requests)}
+            while len(last_token) < len(ids):
+                result = manager.get_result(timeout=60)
+                if result is None:
+                    raise RuntimeError("transformers' continuous batching stopped producing results")
+                now = time.perf_counter()
+                first_token.setdefault(result.request_id, now)
+                if result.is_finished():
+                    last_token[result.request_id] = now
+        seconds = time.perf_counter() - start
+    ttft = [first_token[i] - start for i in ids]
+    tpot = [(last_token[i] - first_token[i]) / (want[i] - 1) for i in ids if want[i] > 1]
+    return _summary("hf-continuous", requests, seconds, ttft, tpot, memory)
+
+
+def _summary(system: str, requests: list[dict], seconds: float, ttft: list[float],
+             tpot: list[float], memory: PeakMemory, **extra) -> dict:
+    output_tokens = sum(r["max_tokens"] for r in requests)
+    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
+    return {"system": system, "seconds": round(seconds, 3), "output_tokens": output_tokens,
+            "output_tokens_per_s": round(output_tokens / seconds, 2),
+            "total_tokens_per_s": round((output_tokens + prompt_tokens) / seconds, 2),
+            "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot), **memory.as_dict(), **extra}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", type=Path, required=True)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch-sizes", default="8,16,32", help="transformers static batch sizes")
+    parser.add_argument("--skip-continuous", action="store_true", help="skip transformers' CB")
+    parser.add_argument("--quick", action="store_true", help="8 short requests (CI)")
+    parser.add_argument("--out", type=Path, help="result JSON (default bench/results/...)")
+    args = parser.parse_args()
+
+    workload = load_workload(args.workload, args.quick)
+    requests = workload["requests"]
+    config = load_model(args.model, load_weights=False).config
+    flops = workload_flops(config, requests)
+    rate = matmul_flops_per_s(DTYPES[args.dtype], args.device)
+    systems = [run_mini_infer(args.model, args.dtype, args.device, requests)]
+    hf = load_hf(args.model, args.dtype, args.device)
+    for batch_size in [int(b) for b in args.batch_sizes.split(",") if b]:
+        systems.append(run_hf_static(hf, requests, batch_size, args.device))
+    if not args.skip_continuous:
+        systems.append(_try(lambda: run_hf_continuous(hf, requests, args.device), "hf-continuous"))
+    for s in systems:
+        if "seconds" in s:
+            s["roofline_fraction"] = round(flops / s["seconds"] / rate, 4)
+    result = {"workload": workload["name"], "model": args.model, "dtype": args.dtype,
+              "device": args.device, "num_requests": len(requests),
+              "workload_flops": flops, "matmul_flops_per_s": rate,
+              "roofline_seconds": round(flops / rate, 3), "machine": machine_info(),
+              "systems": systems, **_ratios(systems)}
+    stem = f"offline-{workload['name']}-{args.model.replace(':', '_')}-{args.dtype}-{args.device}"
+    path = write_result(stem, result, args.out)
+    _plot(result, path.with_suffix(".png"))
+    _print(result, path)
+
+
+def _try(run, system: str) -> dict:
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+        return {"system": system, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def _ratios(systems: list[dict]) -> dict:
+    ours = systems[0]["output_tokens_per_s"]
+    static = [s for s in systems if s["system"].startswith("hf-static") and "seconds" in s]
+    baselines = [s for s in systems[1:] if "seconds" in s]
+    out = {}
+    if static:
+        best = max(static, key=lambda s: s["output_tokens_per_s"])
+        out.update(best_static=best["system"], ratio_vs_best_static=round(ours / best["output_tokens_per_s"], 2))
+    if baselines:
+        best = max(baselines, key=lambda s: s["output_tokens_per_s"])
+        out.update(best_baseline=best["system"], ratio_vs_best_baseline=round(ours / best["output_tokens_per_s"], 2))
+    return out
+
+
+def _print(result: dict, path: Path) -> None:
+    print(f"{result['workload']}: {result['num_requests']} requests, {result['model']}, "
+          f"{result['dtype']} on {result['device']}; matmul roof {result['matmul_flops_per_s'] / 1e9:.0f} "
+          f"GFLOP/s, workload {result['workload_flops'] / 1e12:.2f} TFLOP")
+    print(f"{'system':<16}{'out tok/s':>10}{'total tok/s':>12}{'TTFT p50 s':>11}{'TPOT p50 ms':>12}"
+          f"{'peak GiB':>9}{'roofline':>9}")
+    for s in result["systems"]:
+        if "error" in s:
+            print(f"{s['system']:<16} failed: {s['error']}")
+            continue
+        print(f"{s['system']:<16}{s['output_tokens_per_s']:>10.1f}{s['total_tokens_per_s']:>12.1f}"
+              f"{s['ttft_s'].get('p50', float('nan')):>11.2f}{1000 * s['tpot_s'].get('p50', float('nan')):>12.1f}"
+              f"{s['peak_memory_gib']:>9.2f}{100 * s['roofline_fraction']:>8.1f}%")
+    if "ratio_vs_best_static" in result:
+        print(f"mini-infer / {result['best_static']}: {result['ratio_vs_best_static']:.2f}x; "
+              f"/ {result['best_baseline']}: {result['ratio_vs_best_baseline']:.2f}x")
+    print(f"wrote {path} and {path.with_suffix('.png').name}")
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = [s for s in result["systems"] if "seconds" in s]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    bars = ax.bar([s["system"] for s in systems], [s["output_tokens_per_s"] for s in systems],
+                  color=["tab:green"] + ["tab:gray"] * (len(systems) - 1))
+    for bar, s in zip(bars, systems):
+        ax.annotate(f"{s['output_tokens_per_s']:.0f}\n({100 * s['roofline_fraction']:.0f}% roof)",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"{result['workload']}: {result['model']}, {result['dtype']}, {result['device']}", fontsize=9)
+    ax.margins(y=0.25)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Serving benchmark in the style of vLLM's: Poisson arrivals against the running HTTP
+endpoint, then the same schedule straight into an in-process ``AsyncLLM``.
+
+    make run &   # the service on 127.0.0.1:8000
+    python bench/serving.py --workload ../shared/workloads/w1_mixed.json --num-requests 32 \\
+        --request-rates 0.5,1,inf
+
+For each request rate (requests/s; ``inf`` sends everything at once) it reports throughput,
+TTFT, TPOT, ITL and end-to-end percentiles, and goodput: requests/s that met the SLO
+(``--slo-ttft-s`` and ``--slo-tpot-s``). The ``AsyncLLM`` run uses the same engine settings
+as the server's defaults, so ``http / direct`` ratios show what HTTP, Serve and Ray cost.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import aiohttp
+
+from common import load_workload, machine_info, percentiles, write_result
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+def arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which each request is sent: a Poisson process of ``rate``
+    (exponential gaps), or all at 0 for ``inf``."""
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(num_requests):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+class Record:
+    """One request's token arrival times."""
+
+    def __init__(self, sent: float) -> None:
+        self.sent = sent
+        self.token_times: list[float] = []
+        self.num_tokens = 0
+        self.error = None
+
+    def metrics(self) -> dict:
+        times = self.token_times
+        return {"ttft": times[0] - self.sent, "e2e": times[-1] - self.sent,
+                "tpot": (times[-1] - times[0]) / (self.num_tokens - 1) if self.num_tokens > 1 else None,
+                "itl": [b - a for a, b in zip(times, times[1:])]}
+
+
+async def _http_request(session, url: str, model: str, request: dict, record: Record) -> None:
+    body = {"model": model, "prompt": request["prompt_token_ids"], "max_tokens": request["max_tokens"],
+            "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with session.post(url + "/v1/completions", json=body) as response:
+            if response.status != 200:
+                record.error = f"HTTP {response.status}"
+                return
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                data = json.loads(line[6:])
+                if data.get("choices"):
+                    record.token_times.append(time.perf_counter())
+                if data.get("usage"):
+                    record.num_tokens = data["usage"]["completion_tokens"]
+    except aiohttp.ClientError as exc:
+        record.error = repr(exc)
+
+
+async def _direct_request(llm, request: dict, record: Record) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    async for output in llm.generate(request["prompt_token_ids"], params):
+        record.token_times.append(time.perf_counter())
+        record.num_tokens += len(output.outputs[0].token_ids)
+
+
+async def run_schedule(send, requests: list[dict], offsets: list[float]) -> tuple[list[Record], float]:
+    """Send request i at ``offsets[i]`` through ``send(request, record)``; wait for all."""
+    start = time.perf_counter()
+    records = []
+
+    async def one(request, offset):
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        record = Record(time.perf_counter())
+        records.append(record)
+        await send(request, record)
+
+    await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets)))
+    return records, time.perf_counter() - start
+
+
+def summarize(records: list[Record], seconds: float, slo_ttft: float, slo_tpot: float) -> dict:
+    ok = [r for r in records if r.error is None and r.token_times]
+    metrics = [r.metrics() for r in ok]
+    good = [m for m in metrics if m["ttft"] <= slo_ttft and (m["tpot"] is None or m["tpot"] <= slo_tpot)]
+    output_tokens = sum(r.num_tokens for r in ok)
+    return {"seconds": round(seconds, 3), "completed": len(ok), "failed": len(records) - len(ok),
+            "requests_per_s": round(len(ok) / seconds, 3),
+            "output_tokens_per_s": round(output_tokens / seconds, 2),
+            "goodput_requests_per_s": round(len(good) / seconds, 3),
+            "ttft_s": percentiles([m["ttft"] for m in metrics]),
+            "tpot_s": percentiles([m["tpot"] for m in metrics if m["tpot"] is not None]),
+            "itl_s": percentiles([x for m in metrics for x in m["itl"]]),
+            "e2e_s": percentiles([m["e2e"] for m in metrics])}
+
+
+async def bench_http(url: str, model: str, requests, rates, seed, slo) -> dict:
+    results = {}
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        for rate in rates:
+            send = lambda r, rec: _http_request(session, url, model, r, rec)  # noqa: E731
+            records, seconds = await run_schedule(send, requests, arrival_offsets(len(requests), rate, seed))
+            results[str(rate)] = summarize(records, seconds, *slo)
+    return results
+
+
+async def bench_direct(model: str, requests, rates, seed, slo) -> dict:
+    from engine.async_llm import AsyncLLM
+    from engine.config import EngineConfig
+
+    llm = AsyncLLM(config=EngineConfig(model=model))
+    results = {}
+    try:
+        for rate in rates:
+            send = lambda r, rec: _direct_request(llm, r, rec)  # noqa: E731
+            records, seconds = await run_schedule(send, requests, arrival_offsets(len(requests), rate, seed))
+            results[str(rate)] = summarize(records, seconds, *slo)
+    finally:
+        llm.shutdown()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", type=Path, required=True)
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--request-rates", default="0.5,1,inf")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slo-ttft-s", type=float, default=5.0)
+    parser.add_argument("--slo-tpot-s", type=float, default=0.5)
+    parser.add_argument("--skip-direct", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    workload = load_workload(args.workload)
+    requests = workload["requests"][: args.num_requests]
+    rates = [float(r) for r in args.request_rates.split(",")]
+    slo = (args.slo_ttft_s, args.slo_tpot_s)
+    http = asyncio.run(bench_http(args.url, args.model, requests, rates, args.seed, slo))
+    direct = {} if args.skip_direct else asyncio.run(bench_direct(args.model, requests, rates, args.seed, slo))
+    ratios = {rate: {"output_tokens_per_s": round(http[rate]["output_tokens_per_s"]
+                                                  / direct[rate]["output_tokens_per_s"], 3),
+                     "ttft_p50": round(http[rate]["ttft_s"]["p50"] / direct[rate]["ttft_s"]["p50"], 3)}
+              for rate in http if rate in direct and direct[rate]["completed"] and http[rate]["completed"]}
+    result = {"workload": workload["name"], "num_requests": len(requests), "model": args.model,
+              "slo": {"ttft_s": slo[0], "tpot_s": slo[1]}, "machine": machine_info(),
+              "http": http, "direct": direct, "http_over_direct": ratios}
+    path = write_result(f"serving-{workload['name']}", result, args.out)
+    _plot(result, path.with_suffix(".png"))
+    for rate in http:
+        h, d = http[rate], direct.get(rate)
+        line = (f"rate {rate:>5}: http {h['output_tokens_per_s']:7.1f} tok/s, TTFT p50 {h['ttft_s'].get('p50', 0):.2f} s,"
+                f" goodput {h['goodput_requests_per_s']:.2f} req/s, failed {h['failed']}")
+        if d:
+            line += f" | direct {d['output_tokens_per_s']:7.1f} tok/s, TTFT p50 {d['ttft_s'].get('p50', 0):.2f} s"
+        print(line)
+    print(f"wrote {path} and {path.with_suffix('.png').name}")
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    for mode, style in (("http", "o-"), ("direct", "s--")):
+        runs = result[mode]
+        if not runs:
+            continue
+        rates = list(runs)
+        xs = range(len(rates))
+        axes[0].plot(xs, [runs[r]["output_tokens_per_s"] for r in rates], style, label=mode)
+        axes[1].plot(xs, [runs[r]["ttft_s"].get("p50", 0) for r in rates], style, label=f"{mode} p50")
+        axes[1].plot(xs, [runs[r]["ttft_s"].get("p99", 0) for r in rates], style, alpha=0.5, label=f"{mode} p99")
+        axes[2].plot(xs, [1000 * runs[r]["tpot_s"].get("p50", 0) for r in rates], style, label=f"{mode} p50")
+        for ax in axes:
+            ax.set_xticks(list(xs), rates)
+            ax.set_xlabel("request rate (req/s)")
+    axes[0].set_ylabel("output tokens/s")
+    axes[1].set_ylabel("TTFT (s)")
+    axes[2].set_ylabel("TPOT (ms)")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{result['workload']}, {result['num_requests']} requests", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Load tests of the OpenAI endpoint with Locust (``python -m loadtest --help``)."""

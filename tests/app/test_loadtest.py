@@ -1,0 +1,25 @@
+"""The Locust load test against the real app: 20 s, 4 users, zero failures, every field."""
+import json
+import subprocess
+import sys
+
+from tests.serve_process import ROOT
+
+
+def test_locust_run_has_no_failures_and_a_complete_summary(api, tmp_path):
+    env = {"MINI_INFER_LOAD_MIX": "50:16-64,35:100-200,15:300-400", "MINI_INFER_LOAD_OUTPUT": "8-32"}
+    command = [sys.executable, "-m", "loadtest", "--users", "4", "--spawn-rate", "4", "--duration", "20",
+               "--host", api.url, "--out", str(tmp_path)]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180,
+                         env={**__import__("os").environ, **env})
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["num_failures"] == 0 and summary["failures"] == [], summary["failures"]
+    assert summary["num_requests"] >= 4
+    assert summary["requests_per_s"] > 0 and summary["output_tokens_per_s"] > 0
+    for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(summary[metric]) == {"p50", "p90", "p99", "mean"}
+        assert 0 < summary[metric]["p50"] <= summary[metric]["p90"] <= summary[metric]["p99"], metric
+    assert (tmp_path / "summary.png").stat().st_size > 10_000
+    stats_csv = (tmp_path / "locust_stats.csv").read_text()
+    assert "TTFT" in stats_csv and "ITL" in stats_csv and "TPOT" in stats_csv

@@ -1,0 +1,31 @@
+"""bench/offline.py --quick: the comparison runs end to end and reports every field."""
+import json
+import subprocess
+import sys
+
+from tests.serve_process import ROOT
+
+WORKLOAD = ROOT.parent / "shared" / "workloads" / "w1_mixed.json"
+
+
+def test_offline_benchmark_quick(tmp_path):
+    out_path = tmp_path / "offline.json"
+    command = [sys.executable, "bench/offline.py", "--workload", str(WORKLOAD), "--quick",
+               "--dtype", "float32", "--batch-sizes", "4", "--out", str(out_path)]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out_path.read_text())
+    systems = {s["system"]: s for s in result["systems"]}
+    assert set(systems) == {"mini-infer", "hf-static-4", "hf-continuous"}
+    for name in ("mini-infer", "hf-static-4"):
+        s = systems[name]
+        assert s["output_tokens"] == sum(min(16, n) for n in _max_tokens()[:8])
+        assert s["output_tokens_per_s"] > 0 and 0 < s["roofline_fraction"] < 1
+        assert {"p50", "p90", "p99", "mean"} <= set(s["ttft_s"]) and s["peak_memory_gib"] > 0
+    assert result["ratio_vs_best_static"] > 0 and result["matmul_flops_per_s"] > 1e9
+    assert out_path.with_suffix(".png").stat().st_size > 10_000
+    assert "mini-infer / hf-static-4" in out.stdout
+
+
+def _max_tokens():
+    return [r["max_tokens"] for r in json.loads(WORKLOAD.read_text())["requests"]]
