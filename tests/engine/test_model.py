@@ -1,0 +1,18 @@
+"""Model pieces: the upcasting linear matches a native half-precision matmul."""
+import torch
+
+from engine.models.llama import Linear
+
+
+def test_upcast_linear_computes_what_a_bf16_matmul_computes():
+    torch.manual_seed(0)
+    layer = Linear(256, 128, bias=True).to(torch.bfloat16)
+    x = torch.randn(32, 256).to(torch.bfloat16)
+    native = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    layer.upcast = True
+    upcast = layer(x)
+    assert upcast.dtype == torch.bfloat16 and layer.weight.dtype == torch.bfloat16
+    # both accumulate in fp32 and round once to bf16: at most one bf16 ulp apart
+    torch.testing.assert_close(upcast, native, atol=0, rtol=2 ** -7)
+    exact = (x.double() @ layer.weight.double().T + layer.bias.double())
+    assert (upcast.double() - exact).abs().max() <= (native.double() - exact).abs().max() + 2 ** -6
