@@ -139,9 +139,12 @@ def smollm2_gguf_path() -> Path:
     return Path(next(iter(found.submodule_search_locations))) / _SMOLLM2_GGUF
 
 
+_CACHE_FORMAT = 2  # bump when the converted directory's layout changes
+
+
 def gguf_cache_dir(gguf_path: Path) -> Path:
     """The cached transformers directory for a GGUF file, converting it on first use."""
-    target = cache_root() / f"{gguf_path.stem}-{_file_fingerprint(gguf_path)}"
+    target = cache_root() / f"{gguf_path.stem}-{_file_fingerprint(gguf_path)}-v{_CACHE_FORMAT}"
     if not (target / "model.safetensors").is_file():
         _convert_gguf(gguf_path, target)
     return target
@@ -172,6 +175,10 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
             state_dict.pop("lm_head.weight", None)  # safetensors refuses shared storage
         save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "model.safetensors")
         bar.update()
+        # The weights are de-quantized: a plain config, so that transformers loads this
+        # directory as an ordinary model (not through its GGUF quantizer).
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

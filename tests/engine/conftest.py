@@ -105,3 +105,11 @@ def assert_idle(llm) -> None:
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
     assert llm.llm_engine.block_manager.block_tables == {}
+
+
+@pytest.fixture(autouse=True)
+def _shared_engine_is_left_idle(request):
+    """Invariant 2 after every test that used the shared engine: all blocks free."""
+    yield
+    if "llm" in request.fixturenames:
+        assert_idle(request.getfixturevalue("llm"))
