@@ -59,7 +59,8 @@ def load_hf(model: str, dtype: str, device: str):
 
     loaded = load_model(model, load_weights=False)
     if loaded.path is None:
-        hf = AutoModelForCausalLM.from_config(loaded.config, dtype=DTYPES[dtype])
+        with torch.device(device):  # a 7B model is initialised where it will run
+            hf = AutoModelForCausalLM.from_config(loaded.config, dtype=DTYPES[dtype])
     else:
         hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=DTYPES[dtype])
     hf = hf.to(device).eval()

@@ -42,16 +42,28 @@ class Linear(nn.Linear):
     slower than fp32 (57 vs 233 GFLOP/s, 2048-square, measured on this project's CI CPU).
     Products of bf16 values are exact in fp32, so converting the operands and accumulating in
     fp32 gives what a native bf16 GEMM gives (bf16 inputs, fp32 accumulation), rounded back to
-    the input dtype. Weights stay in their dtype; the conversion is per call.
+    the input dtype. The fp32 copy of the weight is either kept (``cache_fp32``: three times
+    the bf16 weight memory in all, no conversion per call) or made per call.
     """
 
     upcast = False
+    weight_fp32: torch.Tensor | None = None
+    bias_fp32: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.upcast:
             return super().forward(x)
-        bias = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        weight = self.weight.float() if self.weight_fp32 is None else self.weight_fp32
+        bias = self.bias_fp32
+        if bias is None and self.bias is not None:
+            bias = self.bias.float()
+        return F.linear(x.float(), weight, bias).to(x.dtype)
+
+    def set_upcast(self, upcast: bool, cache_fp32: bool) -> None:
+        self.upcast = upcast
+        keep = upcast and cache_fp32
+        self.weight_fp32 = self.weight.detach().float() if keep else None
+        self.bias_fp32 = self.bias.detach().float() if keep and self.bias is not None else None
 
 
 class RMSNorm(nn.Module):
@@ -188,6 +200,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, max_position)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.upcast_matmul = False
+        self.lm_head_fp32: torch.Tensor | None = None
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -216,15 +229,19 @@ class LlamaForCausalLM(nn.Module):
         """``[n, hidden_size]`` -> fp32 logits ``[n, vocab_size]``."""
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         if self.upcast_matmul:
-            return F.linear(hidden.float(), weight.float())
+            weight = weight.float() if self.lm_head_fp32 is None else self.lm_head_fp32
+            return F.linear(hidden.float(), weight)
         return F.linear(hidden, weight).float()
 
-    def set_upcast_matmul(self, upcast: bool) -> None:
-        """Run every matmul in fp32 over the stored dtype (see ``Linear``)."""
+    def set_upcast_matmul(self, upcast: bool, cache_fp32: bool = False) -> None:
+        """Run every matmul in fp32 over the stored dtype (see ``Linear``), keeping fp32
+        copies of the weights when ``cache_fp32`` (call after the weights are loaded)."""
         self.upcast_matmul = upcast
         for module in self.modules():
             if isinstance(module, Linear):
-                module.upcast = upcast
+                module.set_upcast(upcast, cache_fp32)
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        self.lm_head_fp32 = weight.detach().float() if upcast and cache_fp32 else None
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load transformers-named weights, fusing q/k/v and gate/up projections.
