@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))  # `python bench/x.py` imports the project's packages
 
+from engine.model_runner import cpu_has_bf16_matmul  # noqa: E402
+
 
 def load_workload(path: Path, quick: bool = False) -> dict:
     """A workload file (``shared/workloads/*.json``); ``quick`` keeps 8 requests, their
@@ -37,6 +39,7 @@ def load_workload(path: Path, quick: bool = False) -> dict:
 def machine_info() -> dict:
     return {"machine": platform.machine(), "processor": _cpu_name(), "cpus": os.cpu_count(),
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "cpu_bf16_matmul_units": cpu_has_bf16_matmul(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "date": datetime.date.today().isoformat()}
