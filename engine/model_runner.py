@@ -7,11 +7,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 
 import kernels
@@ -135,7 +135,7 @@ class ModelRunner:
         # Keep fp32 copies of the weights where they are small next to the machine's memory
         # (a 135M model: +0.5 GiB); a 7B model on a CPU converts per call instead.
         fp32_bytes = 4 * sum(p.numel() for p in model.parameters())
-        model.set_upcast_matmul(self.upcast_matmul, cache_fp32=fp32_bytes <= _physical_memory() // 8)
+        model.set_upcast_matmul(self.upcast_matmul, cache_fp32=fp32_bytes <= psutil.virtual_memory().total // 8)
         return model.eval()
 
     def kv_bytes_per_block(self) -> int:
@@ -282,8 +282,3 @@ def _init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
             param.zero_()
         else:
             param.normal_(0.0, 0.02, generator=generator)
-
-
-def _physical_memory() -> int:
-    """Bytes of RAM on this machine."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

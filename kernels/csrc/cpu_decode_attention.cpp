@@ -54,98 +54,105 @@ void decode_attention_impl(const torch::Tensor& query,      // [num_seqs, num_he
   const int64_t sb = k_cache.stride(0), ss = k_cache.stride(1), sh = k_cache.stride(2);
   const int64_t qs = query.stride(0), qh = query.stride(1), os = out.stride(0), oh = out.stride(1);
   const float fscale = static_cast<float>(scale);
+  const int64_t max_len = num_seqs == 0 ? 0 : *std::max_element(lens, lens + num_seqs);
 
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-      const int64_t len = lens[s];
-      if (len <= 0) continue;
-      std::vector<float> q(group * head_dim), scores(group * len), acc(group * head_dim, 0.f);
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          q[g * head_dim + d] = to_float(q_ptr[s * qs + (kvh * group + g) * qh + d]) * fscale;
-      const int32_t* table = tables + s * max_blocks;
-      const int64_t num_seq_blocks = (len + block_size - 1) / block_size;
-      // Scores: each key row is read once, for every query head of the group.
-      for (int64_t b = 0, t = 0; b < num_seq_blocks; ++b) {
-        const T* block = k_ptr + static_cast<int64_t>(table[b]) * sb + kvh * sh;
-        const int64_t rows = std::min(block_size, len - t);
-        int64_t o = 0;
-        for (; o + kTile <= rows; o += kTile, t += kTile) {
-          const T* __restrict k0 = block + o * ss;
-          const T* __restrict k1 = k0 + ss;
-          const T* __restrict k2 = k1 + ss;
-          const T* __restrict k3 = k2 + ss;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* __restrict qg = q.data() + g * head_dim;
-            float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+#pragma omp parallel
+  {
+    // Scratch per thread, sized once for the longest sequence (not per task).
+    std::vector<float> q(group * head_dim), scores(group * std::max<int64_t>(max_len, 1)),
+        acc(group * head_dim);
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+        const int64_t len = lens[s];
+        if (len <= 0) continue;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t d = 0; d < head_dim; ++d)
+            q[g * head_dim + d] = to_float(q_ptr[s * qs + (kvh * group + g) * qh + d]) * fscale;
+        const int32_t* table = tables + s * max_blocks;
+        const int64_t num_seq_blocks = (len + block_size - 1) / block_size;
+        // Scores: each key row is read once, for every query head of the group.
+        for (int64_t b = 0, t = 0; b < num_seq_blocks; ++b) {
+          const T* block = k_ptr + static_cast<int64_t>(table[b]) * sb + kvh * sh;
+          const int64_t rows = std::min(block_size, len - t);
+          int64_t o = 0;
+          for (; o + kTile <= rows; o += kTile, t += kTile) {
+            const T* __restrict k0 = block + o * ss;
+            const T* __restrict k1 = k0 + ss;
+            const T* __restrict k2 = k1 + ss;
+            const T* __restrict k3 = k2 + ss;
+            for (int64_t g = 0; g < group; ++g) {
+              const float* __restrict qg = q.data() + g * head_dim;
+              float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
 #pragma omp simd reduction(+ : d0, d1, d2, d3)
-            for (int64_t d = 0; d < head_dim; ++d) {
-              d0 += qg[d] * to_float(k0[d]);
-              d1 += qg[d] * to_float(k1[d]);
-              d2 += qg[d] * to_float(k2[d]);
-              d3 += qg[d] * to_float(k3[d]);
+              for (int64_t d = 0; d < head_dim; ++d) {
+                d0 += qg[d] * to_float(k0[d]);
+                d1 += qg[d] * to_float(k1[d]);
+                d2 += qg[d] * to_float(k2[d]);
+                d3 += qg[d] * to_float(k3[d]);
+              }
+              float* out_scores = scores.data() + g * len + t;
+              out_scores[0] = d0, out_scores[1] = d1, out_scores[2] = d2, out_scores[3] = d3;
             }
-            float* out_scores = scores.data() + g * len + t;
-            out_scores[0] = d0, out_scores[1] = d1, out_scores[2] = d2, out_scores[3] = d3;
           }
-        }
-        for (; o < rows; ++o, ++t) {
-          const T* __restrict k = block + o * ss;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* __restrict qg = q.data() + g * head_dim;
-            float dot = 0.f;
+          for (; o < rows; ++o, ++t) {
+            const T* __restrict k = block + o * ss;
+            for (int64_t g = 0; g < group; ++g) {
+              const float* __restrict qg = q.data() + g * head_dim;
+              float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_float(k[d]);
-            scores[g * len + t] = dot;
+              for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_float(k[d]);
+              scores[g * len + t] = dot;
+            }
           }
         }
-      }
-      // Softmax in fp32, stable: subtract the row maximum (vectorised exp).
-      for (int64_t g = 0; g < group; ++g) {
-        float* row = scores.data() + g * len;
-        const float top = *std::max_element(row, row + len);
+        // Softmax in fp32, stable: subtract the row maximum (vectorised exp).
+        for (int64_t g = 0; g < group; ++g) {
+          float* row = scores.data() + g * len;
+          const float top = *std::max_element(row, row + len);
 #pragma omp simd
-        for (int64_t t = 0; t < len; ++t) row[t] = expf(row[t] - top);
-        float sum = 0.f;
+          for (int64_t t = 0; t < len; ++t) row[t] = expf(row[t] - top);
+          float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) sum += row[t];
-        const float inv = 1.f / sum;
+          for (int64_t t = 0; t < len; ++t) sum += row[t];
+          const float inv = 1.f / sum;
 #pragma omp simd
-        for (int64_t t = 0; t < len; ++t) row[t] *= inv;
-      }
-      // Weighted values: each value row is read once, for every query head of the group.
-      for (int64_t b = 0, t = 0; b < num_seq_blocks; ++b) {
-        const T* block = v_ptr + static_cast<int64_t>(table[b]) * sb + kvh * sh;
-        const int64_t rows = std::min(block_size, len - t);
-        int64_t o = 0;
-        for (; o + kTile <= rows; o += kTile, t += kTile) {
-          const T* __restrict v0 = block + o * ss;
-          const T* __restrict v1 = v0 + ss;
-          const T* __restrict v2 = v1 + ss;
-          const T* __restrict v3 = v2 + ss;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* p = scores.data() + g * len + t;
-            const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
-            float* __restrict a = acc.data() + g * head_dim;
+          for (int64_t t = 0; t < len; ++t) row[t] *= inv;
+        }
+        // Weighted values: each value row is read once, for every query head of the group.
+        for (int64_t b = 0, t = 0; b < num_seq_blocks; ++b) {
+          const T* block = v_ptr + static_cast<int64_t>(table[b]) * sb + kvh * sh;
+          const int64_t rows = std::min(block_size, len - t);
+          int64_t o = 0;
+          for (; o + kTile <= rows; o += kTile, t += kTile) {
+            const T* __restrict v0 = block + o * ss;
+            const T* __restrict v1 = v0 + ss;
+            const T* __restrict v2 = v1 + ss;
+            const T* __restrict v3 = v2 + ss;
+            for (int64_t g = 0; g < group; ++g) {
+              const float* p = scores.data() + g * len + t;
+              const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
+              float* __restrict a = acc.data() + g * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d)
-              a[d] += p0 * to_float(v0[d]) + p1 * to_float(v1[d]) + p2 * to_float(v2[d]) + p3 * to_float(v3[d]);
+              for (int64_t d = 0; d < head_dim; ++d)
+                a[d] += p0 * to_float(v0[d]) + p1 * to_float(v1[d]) + p2 * to_float(v2[d]) + p3 * to_float(v3[d]);
+            }
+          }
+          for (; o < rows; ++o, ++t) {
+            const T* __restrict v = block + o * ss;
+            for (int64_t g = 0; g < group; ++g) {
+              const float pt = scores[g * len + t];
+              float* __restrict a = acc.data() + g * head_dim;
+#pragma omp simd
+              for (int64_t d = 0; d < head_dim; ++d) a[d] += pt * to_float(v[d]);
+            }
           }
         }
-        for (; o < rows; ++o, ++t) {
-          const T* __restrict v = block + o * ss;
-          for (int64_t g = 0; g < group; ++g) {
-            const float pt = scores[g * len + t];
-            float* __restrict a = acc.data() + g * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += pt * to_float(v[d]);
-          }
-        }
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t d = 0; d < head_dim; ++d)
+            o_ptr[s * os + (kvh * group + g) * oh + d] = static_cast<T>(acc[g * head_dim + d]);
       }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          o_ptr[s * os + (kvh * group + g) * oh + d] = static_cast<T>(acc[g * head_dim + d]);
     }
   }
 }
