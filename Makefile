@@ -1,5 +1,6 @@
-# The two commands of the README. Each sets up .venv first if needed (scripts/setup.sh).
-.PHONY: run test setup
+# The two commands of the README, and their parts. Each sets up .venv first if needed
+# (scripts/setup.sh).
+.PHONY: run test test-fast lint setup
 
 PY := .venv/bin/python
 
@@ -10,5 +11,13 @@ setup:
 run: setup
 	.venv/bin/serve run app:deployment
 
+# Everything CI runs: the whole suite, with the slowest tests' durations printed.
 test: setup
 	$(PY) -m pytest -q
+
+# Unit tests only (no served app, no subprocess benchmarks): a few minutes.
+test-fast: setup
+	$(PY) -m pytest -q -m "not e2e and not slow"
+
+lint: setup
+	.venv/bin/ruff check .

@@ -1,8 +1,12 @@
 """The Ray Serve application: ``serve run app:deployment`` (settings from defaults and
-``MINI_INFER_*`` environment variables) or ``serve run app:build_app key=value ...``."""
+``MINI_INFER_*`` environment variables) or ``serve run app:build_app key=value ...``.
+
+``deployment`` is built on first access (PEP 562), so importing ``app`` or ``app.config``
+builds nothing."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+from typing import Any
 
 import torch
 from ray import serve
@@ -13,7 +17,7 @@ from app.engine_server import EngineServer
 from app.ingress import OpenAIIngress
 
 
-def build_app(args: Optional[dict[str, Any]] = None) -> Application:
+def build_app(args: dict[str, Any] | None = None) -> Application:
     """Bind the two deployments: the OpenAI ingress and the engine server.
 
     Args:
@@ -36,6 +40,14 @@ def build_app(args: Optional[dict[str, Any]] = None) -> Application:
     return ingress.bind(engine.bind(config), config)
 
 
-deployment = build_app()
+@functools.cache
+def _default_deployment() -> Application:
+    return build_app()
+
+
+def __getattr__(name: str):
+    if name == "deployment":
+        return _default_deployment()
+    raise AttributeError(f"module 'app' has no attribute {name!r}")
 
 __all__ = ["AppConfig", "build_app", "deployment"]

@@ -1,54 +1,46 @@
 """The application's settings: one pydantic model, filled from (lowest to highest priority)
 its defaults, ``MINI_INFER_<FIELD>`` environment variables, and ``serve run`` arguments or a
-Serve config file's ``args``."""
+Serve config file's ``args``.
+
+The engine's settings are not written here: ``AppConfig`` takes one field per engine
+argument of ``engine.config`` (name, type, default, allowed values as a ``Literal``, help as
+the description), so that a setting added there appears here too.
+"""
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import EngineConfig, engine_args
 
 ENV_PREFIX = "MINI_INFER_"
 
 
-class AppConfig(BaseModel):
-    """Settings of the OpenAI-compatible service (``serve run app:build_app key=value``)."""
+class ServiceSettings(BaseModel):
+    """Settings of the service around the engine; ``AppConfig`` adds the engine's own."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str = Field("smollm2-135m-instruct", description="Model spec: a name, a .gguf path, "
-                       "a transformers directory or dummy:<shape> (see engine.loader).")
-    served_model_name: Optional[str] = Field(None, description="The name clients pass as "
-                                             "`model`; defaults to `model`.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights and KV cache dtype; auto = bf16 on CUDA and bf16-capable CPUs.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the engine runs.")
-    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
-        "auto", description="Paged attention kernels: Triton on CUDA, the C++ kernel on CPU.")
-    seed: int = Field(0, description="Seed of the engine's shared generator (unseeded requests).")
-    block_size: int = Field(16, description="Tokens per KV block.")
-    kv_cache_memory_gb: float = Field(2.0, gt=0, description="CPU: GiB for the KV cache.")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="CUDA: fraction of "
-                                          "device memory for weights, activations and KV cache.")
-    num_gpu_blocks: Optional[int] = Field(None, ge=1, description="Exact KV block count "
-                                          "(overrides the memory settings).")
-    max_num_seqs: int = Field(256, ge=1, description="Most sequences decoding in one step.")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one step.")
-    max_model_len: Optional[int] = Field(None, ge=1, description="Longest prompt + output; "
-                                         "defaults to the model's maximum.")
+    served_model_name: str | None = Field(None, description="The name clients pass as "
+                                          "`model`; defaults to `model`.")
     max_waiting_requests: int = Field(512, ge=0, description="Requests an engine replica may "
                                       "queue before new ones get 503 with Retry-After.")
     num_engine_replicas: int = Field(1, ge=1, description="Engine replicas (each holds a model).")
     num_ingress_replicas: int = Field(1, ge=1, description="OpenAI front-end replicas.")
     engine_num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per engine replica "
                                    "on CPU-only nodes.")
-    api_key: Optional[str] = Field(None, description="If set, requests need "
-                                   "`Authorization: Bearer <api_key>`.")
+    api_key: str | None = Field(None, description="If set, requests need "
+                                "`Authorization: Bearer <api_key>`.")
+
+    @model_validator(mode="after")
+    def _valid_engine_config(self):
+        self.engine_config()  # its ValueError names the setting; pydantic reports it
+        return self
 
     @classmethod
-    def load(cls, args: Optional[dict[str, Any]] = None) -> "AppConfig":
+    def load(cls, args: dict[str, Any] | None = None) -> "AppConfig":
         """Defaults, overridden by ``MINI_INFER_*`` environment variables, overridden by
         ``args``.
 
@@ -71,12 +63,27 @@ class AppConfig(BaseModel):
         return self.max_num_seqs + self.max_waiting_requests + 16
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model, dtype=self.dtype, device=self.device,
-            attention_backend=self.attention_backend, seed=self.seed,
-            cache=CacheConfig(block_size=self.block_size, kv_cache_memory_gb=self.kv_cache_memory_gb,
-                              gpu_memory_utilization=self.gpu_memory_utilization,
-                              num_gpu_blocks=self.num_gpu_blocks),
-            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=self.max_num_batched_tokens,
-                                      max_model_len=self.max_model_len))
+        """The engine's settings.
+
+        Raises:
+            ValueError: naming an invalid engine setting.
+        """
+        return EngineConfig.from_kwargs(**{arg.name: getattr(self, arg.name) for arg in engine_args()})
+
+
+def _engine_fields() -> dict[str, Any]:
+    """pydantic field definitions for every engine argument: text choices become a
+    ``Literal``; numeric choices (``block_size``) stay numbers that ``MINI_INFER_*`` strings
+    convert to, checked by ``EngineConfig``."""
+    fields = {}
+    for arg in engine_args():
+        textual = arg.choices and all(isinstance(c, str) for c in arg.choices)
+        annotation = Literal[arg.choices] if textual else arg.type
+        fields[arg.name] = (annotation, Field(arg.default, description=arg.help))
+    return fields
+
+
+AppConfig = create_model("AppConfig", __base__=ServiceSettings, __module__=__name__,
+                         __doc__="Settings of the OpenAI-compatible service "
+                                 "(``serve run app:build_app key=value``).",
+                         **_engine_fields())

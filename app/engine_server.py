@@ -5,15 +5,16 @@ import logging
 import threading
 import time
 import uuid
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator
 
 from ray import serve
 
 from app.config import AppConfig
 from app.metrics import EngineMetrics
+from app.records import CompletionDelta, EngineOutput, LogprobEntry
 from engine.async_llm import AsyncLLM
 from engine.errors import EngineOverloadedError
-from engine.request import RequestOutput
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -43,7 +44,7 @@ class EngineServer:
         threading.Thread(target=self._record_stats, name="engine-metrics", daemon=True).start()
 
     async def generate(self, prompt: dict, params: SamplingParams,
-                       request_id: Optional[str] = None) -> AsyncIterator[dict]:
+                       request_id: str | None = None) -> AsyncIterator[EngineOutput]:
         """Stream a request's outputs as dicts (see ``output_to_dict``).
 
         Args:
@@ -71,9 +72,9 @@ class EngineServer:
             self._num_in_flight -= 1
 
     async def _generate(self, prompt: dict, params: SamplingParams,
-                        request_id: Optional[str]) -> AsyncIterator[dict]:
+                        request_id: str | None) -> AsyncIterator[EngineOutput]:
         if "messages" in prompt:
-            prompt = self.llm.engine.chat_prompt(prompt["messages"])
+            prompt = self.llm.chat_prompt(prompt["messages"])
         start = time.perf_counter()
         timing = _Timing(start)
         num_output_tokens, finish_reasons, num_prompt_tokens = 0, [], 0
@@ -126,7 +127,7 @@ class _Timing:
     """First-output time and inter-token latency of one request."""
 
     def __init__(self, start: float) -> None:
-        self.first: Optional[float] = None
+        self.first: float | None = None
         self.last = start
 
     def tick(self, metrics: EngineMetrics) -> None:
@@ -138,23 +139,19 @@ class _Timing:
         self.last = now
 
 
-def output_to_dict(output: RequestOutput, replica_id: str) -> dict:
-    """A delta ``RequestOutput`` as JSON-able data. Logprobs per token are
-    ``[[token_id, logprob, rank, decoded_token], ...]``, the sampled token first."""
-    return {
-        "replica_id": replica_id,
-        "num_prompt_tokens": len(output.prompt_token_ids),
-        "finished": output.finished,
-        "error": output.error,
-        "outputs": [{
-            "index": c.index,
-            "text": c.text,
-            "token_ids": c.token_ids,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-            "logprobs": None if c.logprobs is None else [
-                [[token_id, max(lp.logprob, _MIN_LOGPROB), lp.rank, lp.decoded_token]
+def output_to_dict(output: RequestOutput, replica_id: str) -> EngineOutput:
+    """A delta ``RequestOutput`` as plain data (``app.records``)."""
+    return EngineOutput(
+        replica_id=replica_id,
+        num_prompt_tokens=len(output.prompt_token_ids),
+        finished=output.finished,
+        error=output.error,
+        outputs=[CompletionDelta(
+            index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            logprobs=None if c.logprobs is None else [
+                [LogprobEntry(token_id, max(lp.logprob, _MIN_LOGPROB), lp.rank, lp.decoded_token)
                  for token_id, lp in entry.items()]
                 for entry in c.logprobs],
-        } for c in output.outputs],
-    }
+        ) for c in output.outputs],
+    )

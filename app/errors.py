@@ -5,18 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray.exceptions import RayActorError, TaskCancelledError
-from ray.serve.exceptions import (BackPressureError, DeploymentUnavailableError,
-                                 RequestCancelledError)
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.protocol import ErrorInfo, ErrorResponse
-from engine.errors import ContextLengthExceededError, EngineOverloadedError, InvalidRequestError
+from engine.errors import ContextLengthExceededError, EngineDeadError, EngineOverloadedError, InvalidRequestError
 
 logger = logging.getLogger("ray.serve")
 
@@ -28,8 +26,8 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 class OpenAIError(Exception):
     """An HTTP error with OpenAI's fields."""
 
-    def __init__(self, status_code: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None, error_type: Optional[str] = None) -> None:
+    def __init__(self, status_code: int, message: str, param: str | None = None,
+                 code: str | None = None, error_type: str | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
@@ -63,6 +61,9 @@ def from_exception(exc: BaseException) -> OpenAIError:
     if isinstance(cause, (EngineOverloadedError, BackPressureError, DeploymentUnavailableError)):
         return OpenAIError(503, f"the service is overloaded or restarting: {cause}; retry later",
                            code="overloaded")
+    if isinstance(cause, EngineDeadError):
+        return OpenAIError(503, f"the engine replica is not running: {cause}; retry (Serve "
+                           "replaces it)", code="engine_dead")
     if isinstance(cause, RayActorError):
         return OpenAIError(503, "the engine replica serving this request died; retry "
                            f"(Serve restarts it): {type(cause).__name__}", code="replica_died")

@@ -16,8 +16,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from app.config import AppConfig
-from app.errors import (OpenAIError, error_response, from_exception, install_error_handlers,
-                        sse_error)
+from app.errors import OpenAIError, error_response, from_exception, install_error_handlers, sse_error
 from app.metrics import HttpMetrics
 from app.openai_format import DONE, ChatFormatter, ResponseFormatter
 from app.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, now
@@ -119,7 +118,7 @@ class OpenAIIngress:
             async for _ in self.engine_stream.generate.remote({"prompt_token_ids": [0]}, params):
                 pass
         except Exception as exc:  # noqa: BLE001 - any failure means not ready
-            raise OpenAIError(503, f"not ready: {from_exception(exc).message}", code="not_ready")
+            raise OpenAIError(503, f"not ready: {from_exception(exc).message}", code="not_ready") from exc
         return {"status": "ready"}
 
     @fastapi_app.get("/stats")

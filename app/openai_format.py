@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Optional
 
 from app.protocol import new_id, now
+from app.records import CompletionDelta, EngineOutput, LogprobEntry
 
 DONE = "data: [DONE]\n\n"
 
@@ -15,8 +15,8 @@ DONE = "data: [DONE]\n\n"
 class _Choice:
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
-    logprobs: list = field(default_factory=list)  # per token: [[token_id, logprob, rank, text], ...]
-    finish_reason: Optional[str] = None
+    logprobs: list[list[LogprobEntry]] = field(default_factory=list)  # per token, sampled first
+    finish_reason: str | None = None
     stop_reason: object = None
 
 
@@ -34,7 +34,7 @@ class ResponseFormatter:
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def __init__(self, model: str, n: int, num_logprobs: Optional[int], include_usage: bool) -> None:
+    def __init__(self, model: str, n: int, num_logprobs: int | None, include_usage: bool) -> None:
         self.id = new_id(self.id_prefix)
         self.created = now()
         self.model = model
@@ -45,7 +45,7 @@ class ResponseFormatter:
 
     # ---- accumulate ----------------------------------------------------------------------
 
-    def add(self, output: dict) -> list[tuple[int, dict]]:
+    def add(self, output: EngineOutput) -> list[tuple[int, CompletionDelta]]:
         """Record one engine output; returns ``(index, delta)`` per choice it touched."""
         self.num_prompt_tokens = output["num_prompt_tokens"]
         deltas = []
@@ -72,7 +72,7 @@ class ResponseFormatter:
                 "model": self.model, "usage": self.usage(),
                 "choices": [self._full_choice(i, c) for i, c in enumerate(self.choices)]}
 
-    def chunks(self, output: dict, first: bool) -> list[str]:
+    def chunks(self, output: EngineOutput, first: bool) -> list[str]:
         """SSE lines for one engine output."""
         return [self._sse([self._delta_choice(index, delta)]) for index, delta in self.add(output)]
 
@@ -90,24 +90,24 @@ class ResponseFormatter:
                 "logprobs": self._logprobs(choice.logprobs), "finish_reason": choice.finish_reason,
                 "stop_reason": choice.stop_reason}
 
-    def _delta_choice(self, index: int, delta: dict) -> dict:
+    def _delta_choice(self, index: int, delta: CompletionDelta) -> dict:
         return {"index": index, "text": delta["text"], "logprobs": self._logprobs(delta["logprobs"]),
                 "finish_reason": delta["finish_reason"], "stop_reason": delta["stop_reason"]}
 
-    def _top(self, entry: list) -> list:
+    def _top(self, entry: list[LogprobEntry]) -> list[LogprobEntry]:
         """The top ``num_logprobs`` alternatives of one token, most likely first."""
-        return sorted(entry, key=lambda e: e[2])[: self.num_logprobs]
+        return sorted(entry, key=lambda e: e.rank)[: self.num_logprobs]
 
-    def _logprobs(self, entries: Optional[list]) -> Optional[dict]:
+    def _logprobs(self, entries: list[list[LogprobEntry]] | None) -> dict | None:
         """Completions' legacy shape: tokens, token_logprobs, top_logprobs, text_offset."""
         if self.num_logprobs is None or entries is None:
             return None
         offsets, offset = [], 0
         for entry in entries:
             offsets.append(offset)
-            offset += len(entry[0][3] or "")
-        return {"tokens": [e[0][3] for e in entries], "token_logprobs": [e[0][1] for e in entries],
-                "top_logprobs": [{alt[3]: alt[1] for alt in self._top(e)} for e in entries],
+            offset += len(entry[0].token or "")
+        return {"tokens": [e[0].token for e in entries], "token_logprobs": [e[0].logprob for e in entries],
+                "top_logprobs": [{alt.token: alt.logprob for alt in self._top(e)} for e in entries],
                 "text_offset": offsets}
 
 
@@ -118,7 +118,7 @@ class ChatFormatter(ResponseFormatter):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def chunks(self, output: dict, first: bool) -> list[str]:
+    def chunks(self, output: EngineOutput, first: bool) -> list[str]:
         # The first chunk of each choice carries the assistant role, as OpenAI's does.
         roles = [self._sse([{"index": i, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None}])
@@ -130,18 +130,18 @@ class ChatFormatter(ResponseFormatter):
                 "logprobs": self._logprobs(choice.logprobs), "finish_reason": choice.finish_reason,
                 "stop_reason": choice.stop_reason}
 
-    def _delta_choice(self, index: int, delta: dict) -> dict:
+    def _delta_choice(self, index: int, delta: CompletionDelta) -> dict:
         return {"index": index, "delta": {"content": delta["text"]},
                 "logprobs": self._logprobs(delta["logprobs"]),
                 "finish_reason": delta["finish_reason"], "stop_reason": delta["stop_reason"]}
 
-    def _logprobs(self, entries: Optional[list]) -> Optional[dict]:
+    def _logprobs(self, entries: list[list[LogprobEntry]] | None) -> dict | None:
         if self.num_logprobs is None or entries is None:
             return None
 
-        def item(e):
-            text = e[3] or ""
-            return {"token": text, "logprob": e[1], "bytes": list(text.encode("utf-8"))}
+        def item(e: LogprobEntry) -> dict:
+            text = e.token or ""
+            return {"token": text, "logprob": e.logprob, "bytes": list(text.encode("utf-8"))}
 
         return {"content": [{**item(entry[0]), "top_logprobs": [item(a) for a in self._top(entry)]}
                             for entry in entries]}

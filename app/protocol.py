@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal, Optional, Union
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -14,8 +14,8 @@ from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingPara
 class ErrorInfo(BaseModel):
     message: str = Field(description="What went wrong, naming the field and the limit.")
     type: str = Field(description="invalid_request_error, authentication_error, ...")
-    param: Optional[str] = Field(None, description="The request field at fault, if one is.")
-    code: Optional[str] = Field(None, description="A machine-readable code, e.g. "
+    param: str | None = Field(None, description="The request field at fault, if one is.")
+    code: str | None = Field(None, description="A machine-readable code, e.g. "
                                 "context_length_exceeded.")
 
 
@@ -39,24 +39,24 @@ class SamplingRequest(BaseModel):
     temperature: float = Field(1.0, description="0 = greedy.")
     top_p: float = Field(1.0, description="Nucleus sampling mass, in (0, 1].")
     stream: bool = Field(False, description="Server-sent events instead of one JSON body.")
-    stream_options: Optional[StreamOptions] = Field(None, description="Streaming extras.")
-    stop: Union[str, list[str], None] = Field(None, description="Stop strings.")
+    stream_options: StreamOptions | None = Field(None, description="Streaming extras.")
+    stop: str | list[str] | None = Field(None, description="Stop strings.")
     presence_penalty: float = Field(0.0, description="In [-2, 2].")
     frequency_penalty: float = Field(0.0, description="In [-2, 2].")
-    logit_bias: Optional[dict[str, float]] = Field(None, description="Token id -> bias in [-100, 100].")
-    seed: Optional[int] = Field(None, description="Makes sampling repeatable.")
-    user: Optional[str] = Field(None, description="Ignored (OpenAI's end-user id).")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id -> bias in [-100, 100].")
+    seed: int | None = Field(None, description="Makes sampling repeatable.")
+    user: str | None = Field(None, description="Ignored (OpenAI's end-user id).")
     # vLLM's extras
     top_k: int = Field(-1, description="Keep the k most likely tokens; -1 or 0 = off.")
     min_p: float = Field(0.0, description="Drop tokens below min_p x the top probability.")
     repetition_penalty: float = Field(1.0, description="transformers' repetition penalty, > 0.")
     ignore_eos: bool = Field(False, description="Keep generating after EOS.")
     min_tokens: int = Field(0, description="Tokens to generate before EOS may end it.")
-    stop_token_ids: Optional[list[int]] = Field(None, description="Token ids that end generation.")
+    stop_token_ids: list[int] | None = Field(None, description="Token ids that end generation.")
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string in the text.")
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
 
-    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's parameters (deltas: the service streams or accumulates them).
 
         Raises:
@@ -77,7 +77,7 @@ class SamplingRequest(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-def _logit_bias(bias: Optional[dict[str, float]]) -> dict[int, float]:
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     try:
         return {int(k): v for k, v in (bias or {}).items()}
     except ValueError:
@@ -87,10 +87,10 @@ def _logit_bias(bias: Optional[dict[str, float]]) -> dict[int, float]:
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
 
-    prompt: Union[str, list[int], list[str], list[list[int]]] = Field(
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="The prompt: text or token ids (one prompt).")
-    max_tokens: Optional[int] = Field(16, description="Most tokens per choice.")
-    logprobs: Optional[int] = Field(None, description=f"Top alternatives per token, 0..{MAX_LOGPROBS}.")
+    max_tokens: int | None = Field(16, description="Most tokens per choice.")
+    logprobs: int | None = Field(None, description=f"Top alternatives per token, 0..{MAX_LOGPROBS}.")
     echo: bool = Field(False, description="Not supported: must be false.")
 
     @field_validator("echo")
@@ -100,7 +100,7 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("echo is not supported")
         return echo
 
-    def single_prompt(self) -> Union[str, list[int]]:
+    def single_prompt(self) -> str | list[int]:
         """The prompt, unwrapped from a one-element list.
 
         Raises:
@@ -125,7 +125,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"] = Field(description="Author.")
-    content: Union[str, list[TextPart], None] = Field(description="Text, or text parts.")
+    content: str | list[TextPart] | None = Field(description="Text, or text parts.")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -137,15 +137,15 @@ class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
-    max_tokens: Optional[int] = Field(None, description="Most tokens per choice (deprecated name).")
-    max_completion_tokens: Optional[int] = Field(None, description="Most tokens per choice.")
+    max_tokens: int | None = Field(None, description="Most tokens per choice (deprecated name).")
+    max_completion_tokens: int | None = Field(None, description="Most tokens per choice.")
     logprobs: bool = Field(False, description="Return the sampled tokens' log probabilities.")
-    top_logprobs: Optional[int] = Field(None, description=f"Alternatives per token, 0..{MAX_LOGPROBS}.")
+    top_logprobs: int | None = Field(None, description=f"Alternatives per token, 0..{MAX_LOGPROBS}.")
 
-    def max_new_tokens(self) -> Optional[int]:
+    def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def num_logprobs(self) -> Optional[int]:
+    def num_logprobs(self) -> int | None:
         if not self.logprobs:
             if self.top_logprobs:
                 raise ValueError("top_logprobs needs logprobs to be true")

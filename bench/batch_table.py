@@ -13,7 +13,6 @@ import random
 from pathlib import Path
 
 import torch
-
 from common import machine_info, write_result
 from offline import DTYPES, load_hf, run_hf_static, run_mini_infer
 
@@ -67,7 +66,7 @@ def _plot(result: dict, path: Path) -> None:
         axes[0].plot(batches, [r[system]["output_tokens_per_s"] for r in result["rows"]], style, label=system)
         axes[1].plot(batches, [r[system]["ttft_s"]["p50"] for r in result["rows"]], style, label=system)
         axes[2].plot(batches, [1000 * r[system]["tpot_s"]["p50"] for r in result["rows"]], style, label=system)
-    for ax, label in zip(axes, ("output tokens/s", "TTFT p50 (s)", "TPOT p50 (ms)")):
+    for ax, label in zip(axes, ("output tokens/s", "TTFT p50 (s)", "TPOT p50 (ms)"), strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [str(b) for b in batches])
         ax.set_xlabel("batch size")

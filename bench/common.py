@@ -12,7 +12,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator
 
 import psutil
 import torch
@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))  # `python bench/x.py` imports the project's packages
 
-from engine.model_runner import cpu_has_bf16_matmul  # noqa: E402
+from engine.device import cpu_has_bf16_matmul  # noqa: E402
+from engine.models import head_dim_of  # noqa: E402
 
 
 def load_workload(path: Path, quick: bool = False) -> dict:
@@ -85,7 +86,7 @@ def workload_flops(config, requests: list[dict]) -> float:
     """
     hidden, layers = config.hidden_size, config.num_hidden_layers
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    head_dim = head_dim_of(config)
     linear = layers * (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
                        + 3 * hidden * config.intermediate_size)
     total = 0.0
@@ -147,7 +148,7 @@ def percentiles(values: list[float], points=(50, 90, 99)) -> dict:
     return out
 
 
-def write_result(name: str, result: dict, out: Optional[Path] = None) -> Path:
+def write_result(name: str, result: dict, out: Path | None = None) -> Path:
     path = out or RESULTS / f"{name}-{datetime.date.today().isoformat()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")

@@ -28,10 +28,9 @@ import datetime
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
-from collections.abc import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 BATCHES = (1, 4, 16, 64, 256)
@@ -117,20 +116,20 @@ def format_table(rows: list[dict]) -> str:
 # ---------------------------------------------------------------------------- merge
 
 
-def _read_text(path: Path) -> Optional[str]:
+def _read_text(path: Path) -> str | None:
     return path.read_text(errors="replace") if path.exists() else None
 
 
-def _read_rc(path: Path) -> Optional[int]:
+def _read_rc(path: Path) -> int | None:
     text = _read_text(path)
     return int(text.strip()) if text and text.strip().lstrip("-").isdigit() else None
 
 
-def _tail(text: Optional[str], lines: int = 30) -> Optional[str]:
+def _tail(text: str | None, lines: int = 30) -> str | None:
     return None if text is None else "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-def _status(rc: Optional[int]) -> str:
+def _status(rc: int | None) -> str:
     if rc is None:
         return "not run"
     return {0: "ok", 124: "timed out"}.get(rc, f"failed (exit {rc})")
@@ -294,7 +293,7 @@ def run_bench(shape: AttentionShape = QWEN2_5_7B) -> dict:
             "copy_gbps": round(copy, 1), "rows": rows}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="time decode attention (needs CUDA)")

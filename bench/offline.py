@@ -23,9 +23,16 @@ import time
 from pathlib import Path
 
 import torch
+from common import (
+    PeakMemory,
+    load_workload,
+    machine_info,
+    matmul_flops_per_s,
+    percentiles,
+    workload_flops,
+    write_result,
+)
 
-from common import (PeakMemory, load_workload, machine_info, matmul_flops_per_s, percentiles,
-                    workload_flops, write_result)
 from engine import LLM, SamplingParams
 from engine.loader import load_model
 
@@ -130,7 +137,7 @@ def run_hf_continuous(hf, requests: list[dict], device: str) -> dict:
                                                     warmup=False, workload_hints=hints) as manager:
             ids = [manager.add_request(r["prompt_token_ids"], max_new_tokens=r["max_tokens"], streaming=True)
                    for r in requests]
-            want = {request_id: r["max_tokens"] for request_id, r in zip(ids, requests)}
+            want = {request_id: r["max_tokens"] for request_id, r in zip(ids, requests, strict=True)}
             while len(last_token) < len(ids):
                 # a stall guard only: on a CPU its first (whole-budget) step takes minutes
                 result = manager.get_result(timeout=STALL_TIMEOUT_S)
@@ -249,7 +256,7 @@ def _plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     bars = ax.bar([s["system"] for s in systems], [s["output_tokens_per_s"] for s in systems],
                   color=["tab:green"] + ["tab:gray"] * (len(systems) - 1))
-    for bar, s in zip(bars, systems):
+    for bar, s in zip(bars, systems, strict=True):
         ax.annotate(f"{s['output_tokens_per_s']:.0f}\n({100 * s['roofline_fraction']:.0f}% roof)",
                     (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("output tokens/s")

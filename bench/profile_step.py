@@ -14,12 +14,10 @@ import functools
 import time
 from pathlib import Path
 
-import torch
+from common import load_workload, machine_info, write_result
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import kernels
-
-from common import load_workload, machine_info, write_result
 from engine import LLM, SamplingParams
 from engine.sampling_params import RequestOutputKind
 

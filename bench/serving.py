@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import aiohttp
-
 from common import load_workload, machine_info, percentiles, write_result
+
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -52,7 +52,7 @@ class Record:
         times = self.token_times
         return {"ttft": times[0] - self.sent, "e2e": times[-1] - self.sent,
                 "tpot": (times[-1] - times[0]) / (self.num_tokens - 1) if self.num_tokens > 1 else None,
-                "itl": [b - a for a, b in zip(times, times[1:])]}
+                "itl": [b - a for a, b in zip(times, times[1:], strict=False)]}
 
 
 async def _http_request(session, url: str, model: str, request: dict, record: Record) -> None:
@@ -94,7 +94,7 @@ async def run_schedule(send, requests: list[dict], offsets: list[float]) -> tupl
         records.append(record)
         await send(request, record)
 
-    await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets)))
+    await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets, strict=True)))
     return records, time.perf_counter() - start
 
 
@@ -171,8 +171,9 @@ def main() -> None:
     _plot(result, path.with_suffix(".png"))
     for rate in http:
         h, d = http[rate], direct.get(rate)
-        line = (f"rate {rate:>5}: http {h['output_tokens_per_s']:7.1f} tok/s, TTFT p50 {h['ttft_s'].get('p50', 0):.2f} s,"
-                f" goodput {h['goodput_requests_per_s']:.2f} req/s, failed {h['failed']}")
+        line = (f"rate {rate:>5}: http {h['output_tokens_per_s']:7.1f} tok/s, "
+                f"TTFT p50 {h['ttft_s'].get('p50', 0):.2f} s, "
+                f"goodput {h['goodput_requests_per_s']:.2f} req/s, failed {h['failed']}")
         if d:
             line += f" | direct {d['output_tokens_per_s']:7.1f} tok/s, TTFT p50 {d['ttft_s'].get('p50', 0):.2f} s"
         print(line)

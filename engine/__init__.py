@@ -10,13 +10,14 @@ Names are imported lazily so that the torch-free modules (``engine.block_manager
 import importlib
 
 _EXPORTS = {
-    "LLM": "engine.llm_engine",
+    "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
     "AsyncLLM": "engine.async_llm",
     "SamplingParams": "engine.sampling_params",
     "RequestOutputKind": "engine.sampling_params",
-    "RequestOutput": "engine.request",
-    "CompletionOutput": "engine.request",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+    "Logprob": "engine.outputs",
     "EngineConfig": "engine.config",
     "CacheConfig": "engine.config",
     "SchedulerConfig": "engine.config",

@@ -9,10 +9,11 @@ import argparse
 import json
 import sys
 import time
+import typing
 from pathlib import Path
 
-from engine.llm_engine import LLM
-from engine.loader import DEFAULT_MODEL
+from engine.config import engine_args
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 
@@ -29,27 +30,32 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--json-out", type=Path, help="also write the workload summary here")
-    gen.add_argument("--model", default=DEFAULT_MODEL)
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    gen.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--block-size", type=int, default=16)
-    gen.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
-    gen.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    gen.add_argument("--max-num-seqs", type=int, default=256)
-    gen.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    gen.add_argument("--max-model-len", type=int, default=None)
+    add_engine_args(gen.add_argument_group("engine", "settings of engine.config, by field name"))
     return parser
 
 
+def add_engine_args(group) -> None:
+    """One option per engine setting (``engine.config.engine_args()``): ``--block-size``
+    and so on, with the field's type, default, allowed values and help."""
+    for arg in engine_args():
+        flag = "--" + arg.name.replace("_", "-")
+        value_type = _base_type(arg.type)
+        if value_type is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=arg.default,
+                               help=arg.help)
+        else:
+            group.add_argument(flag, type=value_type, default=arg.default, choices=arg.choices,
+                               help=f"{arg.help} (default: {arg.default})")
+
+
+def _base_type(annotation) -> type:
+    """``int | None`` -> ``int``."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
 def _build_llm(args) -> LLM:
-    return LLM(model=args.model, dtype=args.dtype, device=args.device,
-               attention_backend=args.attention_backend, seed=args.seed,
-               block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
-               gpu_memory_utilization=args.gpu_memory_utilization,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_model_len=args.max_model_len)
+    return LLM(**{arg.name: getattr(args, arg.name) for arg in engine_args()})
 
 
 def run_prompt(llm: LLM, args, params: SamplingParams) -> None:

@@ -12,22 +12,15 @@ import logging
 import queue
 import threading
 import uuid
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator
 
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError, RequestFailedError
 from engine.llm_engine import LLMEngine, PromptType
-from engine.request import RequestOutput
+from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop has stopped; no request can be served until the engine restarts."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed this request (an exception in the step that ran it)."""
 
 
 class AsyncLLM:
@@ -38,21 +31,21 @@ class AsyncLLM:
         config: used only when ``engine`` is ``None``.
     """
 
-    def __init__(self, engine: Optional[LLMEngine] = None,
-                 config: Optional[EngineConfig] = None) -> None:
+    def __init__(self, engine: LLMEngine | None = None,
+                 config: EngineConfig | None = None) -> None:
         self.engine = engine or LLMEngine(config or EngineConfig())
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
-        self._dead: Optional[BaseException] = None
+        self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run_loop, name="engine-step-loop", daemon=True)
         self._thread.start()
 
     # ---- caller side ---------------------------------------------------------------------
 
-    async def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes.
 
         With the default ``sampling_params`` each output is a delta: the text and token ids
@@ -95,6 +88,10 @@ class AsyncLLM:
         """Raise ``EngineDeadError`` once the step loop has stopped."""
         if self._dead is not None or not self._thread.is_alive():
             raise EngineDeadError(f"the engine step loop has stopped: {self._dead!r}")
+
+    def chat_prompt(self, conversation: list[dict]) -> dict:
+        """``LLMEngine.chat_prompt`` (the tokenizer is read-only: safe beside the loop)."""
+        return self.engine.chat_prompt(conversation)
 
     def stats(self) -> dict:
         """The engine's counters (read without locking; each value is a plain int or float)."""

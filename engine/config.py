@@ -1,16 +1,31 @@
 """Engine, cache and scheduler settings: slotted dataclasses validated on construction.
 
-Names follow vLLM's engine arguments (``block_size``, ``max_num_seqs``,
-``max_num_batched_tokens``, ``max_model_len``, ``gpu_memory_utilization``).
+These dataclasses are the only place an engine setting is written. ``LLM(**kwargs)``
+(through ``EngineConfig.from_kwargs``), the command line (``engine.__main__``) and the
+service's ``AppConfig`` are generated from their fields: the name, type, default, help text
+(``metadata["help"]``) and allowed values (``metadata["choices"]``). Names follow vLLM's
+engine arguments (``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``,
+``max_model_len``, ``gpu_memory_utilization``).
 """
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any
 
+from kernels import BACKENDS
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+ATTENTION_BACKENDS = ("auto", *BACKENDS)
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+def setting(default: Any, help: str, choices: tuple | None = None) -> Any:  # noqa: A002
+    """A settings field: its default, its help text and (optionally) its allowed values."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 def _require(ok: bool, message: str) -> None:
@@ -18,27 +33,28 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_choice(config: Any, name: str) -> None:
+    choices = next(f.metadata["choices"] for f in dataclasses.fields(config) if f.name == name)
+    value = getattr(config, name)
+    _require(value in choices, f"{name} must be one of {choices}; got {value!r}")
+
+
 @dataclass(slots=True)
 class CacheConfig:
-    """Paged KV cache settings.
+    """Paged KV cache settings (see each field's help)."""
 
-    Attributes:
-        block_size: tokens per KV block.
-        kv_cache_memory_gb: CPU only: GiB given to the KV cache of all layers.
-        gpu_memory_utilization: CUDA only: fraction of the device's total memory the engine
-            may use (weights, activations and KV cache), as vLLM's setting of the same name.
-        num_gpu_blocks: if set, exactly this many blocks, whatever the memory settings
-            (vLLM's ``num_gpu_blocks_override``; used by tests to force preemption).
-    """
-
-    block_size: int = 16
-    kv_cache_memory_gb: float = 2.0
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks: Optional[int] = None
+    block_size: int = setting(16, "Tokens per KV block.", BLOCK_SIZES)
+    kv_cache_memory_gb: float = setting(
+        2.0, "CPU only: GiB given to the KV cache of all layers.")
+    gpu_memory_utilization: float = setting(
+        0.9, "CUDA only: fraction of the device's memory the engine may use (weights, "
+        "activations and KV cache), as vLLM's setting of the same name.")
+    num_gpu_blocks: int | None = setting(
+        None, "Exactly this many KV blocks, whatever the memory settings (vLLM's "
+        "num_gpu_blocks_override; tests use it to force preemption).")
 
     def __post_init__(self) -> None:
-        _require(self.block_size in (8, 16, 32, 64, 128),
-                 f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+        _check_choice(self, "block_size")
         _require(self.kv_cache_memory_gb > 0,
                  f"kv_cache_memory_gb must be > 0; got {self.kv_cache_memory_gb}")
         _require(0 < self.gpu_memory_utilization <= 1,
@@ -49,18 +65,14 @@ class CacheConfig:
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """Continuous-batching limits.
+    """Continuous-batching limits (see each field's help)."""
 
-    Attributes:
-        max_num_seqs: most requests running in one step.
-        max_num_batched_tokens: token budget of one step (prefill chunks plus decodes).
-        max_model_len: longest sequence (prompt + output) served; ``None`` takes the model's
-            ``max_position_embeddings`` when the engine is built.
-    """
-
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: Optional[int] = None
+    max_num_seqs: int = setting(256, "Most sequences running in one step.")
+    max_num_batched_tokens: int = setting(
+        2048, "Token budget of one step (prefill chunks plus decodes).")
+    max_model_len: int | None = setting(
+        None, "Longest sequence (prompt + output) served; defaults to the model's "
+        "max_position_embeddings.")
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
@@ -74,32 +86,87 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Everything ``LLMEngine`` needs to start.
+    """Everything ``LLMEngine`` needs to start: its own fields, plus ``cache`` and
+    ``scheduler`` (see each field's help).
 
-    Attributes:
-        model: a model spec for ``engine.loader.load_model`` (name, ``.gguf`` path,
-            transformers directory, or ``dummy:<shape>``).
-        dtype: ``auto`` (bfloat16 on CUDA and on CPUs with native bf16 matrix units,
-            float32 elsewhere), ``float32``, ``bfloat16`` or ``float16``.
-        device: ``auto`` (CUDA if available), ``cpu`` or ``cuda``.
-        attention_backend: ``auto`` (Triton on CUDA; on the CPU the C++ decode kernel where
-            it builds, else the torch reference), ``torch``, ``cpu`` or ``triton``.
-        seed: seeds the engine-wide generator of unseeded sampled requests.
-        cache: KV cache settings.
-        scheduler: batching limits.
+    Raises:
+        ValueError: naming the setting and its allowed values, on construction.
     """
 
-    model: str = "smollm2-135m-instruct"
-    dtype: str = "auto"
-    device: str = "auto"
-    attention_backend: str = "auto"
-    seed: int = 0
+    model: str = setting(DEFAULT_MODEL, "Model spec: a name, a .gguf path, a transformers "
+                         "directory or dummy:<shape> (see engine.loader).")
+    dtype: str = setting("auto", "Weights and KV cache dtype; auto = bfloat16 on CUDA and on "
+                         "CPUs with native bf16 matrix units, float32 elsewhere.", DTYPES)
+    device: str = setting("auto", "Where the engine runs; auto = CUDA if available.", DEVICES)
+    attention_backend: str = setting(
+        "auto", "Paged attention kernels; auto = Triton on CUDA, on the CPU the C++ kernel "
+        "where it builds, else the torch reference.", ATTENTION_BACKENDS)
+    seed: int = setting(0, "Seeds the engine-wide generator of unseeded sampled requests.")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}; got {self.dtype!r}")
-        _require(self.device in DEVICES, f"device must be one of {DEVICES}; got {self.device!r}")
-        _require(self.attention_backend in ATTENTION_BACKENDS,
-                 f"attention_backend must be one of {ATTENTION_BACKENDS}; "
-                 f"got {self.attention_backend!r}")
+        for name in ("dtype", "device", "attention_backend"):
+            _check_choice(self, name)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from flat engine arguments (``block_size=32, max_num_seqs=8, ...``), each
+        routed to the sub-config that has a field of its name.
+
+        Raises:
+            TypeError: for a name that no config has.
+            ValueError: as the configs' validation.
+        """
+        parts: dict[type, dict[str, Any]] = {owner: {} for owner in _SECTIONS.values()}
+        for name, value in kwargs.items():
+            owner = _OWNERS.get(name)
+            if owner is None:
+                raise TypeError(f"unknown engine argument {name!r}; known: {sorted(_OWNERS)}")
+            parts[owner][name] = value
+        sections = {attr: owner(**parts[owner]) for attr, owner in _SECTIONS.items() if owner is not cls}
+        return cls(**parts[cls], **sections)
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The flat engine arguments of this config (the inverse of ``from_kwargs``)."""
+        return {f.name: getattr(getattr(self, _ATTRS[owner]) if _ATTRS[owner] else self, f.name)
+                for owner, f in _flat_fields()}
+
+
+# attribute of EngineConfig -> its dataclass; "" is EngineConfig itself.
+_SECTIONS: dict[str, type] = {"": EngineConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_ATTRS = {owner: attr for attr, owner in _SECTIONS.items()}
+
+
+def _flat_fields() -> list[tuple[type, dataclasses.Field]]:
+    return [(owner, f) for owner in _SECTIONS.values() for f in dataclasses.fields(owner)
+            if f.name not in _SECTIONS]
+
+
+_OWNERS: dict[str, type] = {f.name: owner for owner, f in _flat_fields()}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArg:
+    """One flat engine argument, as the CLI and ``AppConfig`` present it.
+
+    Attributes:
+        name: the field's name (``max_num_seqs``).
+        type: its Python type, with ``| None`` for optional ones (``int | None``).
+        default: its default value.
+        help: one or two sentences for users.
+        choices: the allowed values, or ``None`` where any value of the type may be valid.
+    """
+
+    name: str
+    type: Any
+    default: Any
+    help: str
+    choices: tuple | None
+
+
+def engine_args() -> list[EngineArg]:
+    """Every flat engine argument, in declaration order (engine, cache, scheduler)."""
+    hints = {owner: typing.get_type_hints(owner) for owner in _SECTIONS.values()}
+    return [EngineArg(f.name, hints[owner][f.name], f.default, f.metadata["help"],
+                      f.metadata["choices"]) for owner, f in _flat_fields()]

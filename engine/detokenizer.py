@@ -6,8 +6,6 @@ token decodes in context (a leading space stays a space).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from tokenizers.decoders import DecodeStream
 
 from engine.sampling_params import SamplingParams
@@ -39,7 +37,7 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.num_emitted_chars = 0
 
-    def step(self, token_id: int) -> Optional[str]:
+    def step(self, token_id: int) -> str | None:
         """Add one token. Returns the stop string it completed, if any (the text is then cut
         before it, or after it with ``include_stop_str_in_output``)."""
         delta = self._stream.step(self._tokenizer, token_id)

@@ -1,27 +1,23 @@
 """``LLMEngine``: requests in, one scheduled step at a time, ``RequestOutput``s out."""
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
-from typing import Optional, Sequence, Union
-
-from tqdm.auto import tqdm
 
 from engine.block_manager import BlockManager
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
-from engine.loader import DEFAULT_MODEL, LoadedModel, load_model
+from engine.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
-from engine.request import Request, RequestOutput, RequestStatus
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 # A prompt: text, token ids, or {"prompt": text, "prompt_token_ids": ids} (vLLM's forms).
-PromptType = Union[str, list[int], dict]
+PromptType = str | list[int] | dict
 
 
 class LLMEngine:
@@ -37,7 +33,7 @@ class LLMEngine:
         ValueError: if ``max_model_len`` exceeds the model's ``max_position_embeddings``.
     """
 
-    def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         loaded = loaded or load_model(config.model)
         model_max = loaded.config.max_position_embeddings
         sched = config.scheduler
@@ -62,8 +58,8 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: PromptType,
-                    sampling_params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None) -> Request:
+                    sampling_params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> Request:
         """Queue a request.
 
         Raises:
@@ -90,7 +86,7 @@ class LLMEngine:
         self.output_processor.add_request(request)
         return request
 
-    def _prompt_ids(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
             if token_ids is None:
@@ -146,7 +142,7 @@ class LLMEngine:
                                       f"character {exc.start})", "prompt") from None
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
-    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop all sequences of a request and free their blocks.
 
         Returns:
@@ -175,21 +171,21 @@ class LLMEngine:
         if not scheduler_output.scheduled:
             return []
         try:
-            sampled = self.model_runner.execute(scheduler_output)
+            runner_output = self.model_runner.execute(scheduler_output)
         except Exception as exc:  # noqa: BLE001 - the loop must outlive any one batch
             logger.exception("step failed; failing its %d sequences", len(scheduler_output.scheduled))
             request_ids = {self.scheduler.requests[s.seq_id].request_id
                            for s in scheduler_output.scheduled}
             self._finish_requests(request_ids, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}")
             return self.output_processor.make_outputs()
-        for sequence, token in self.scheduler.update(scheduler_output, sampled):
+        for sequence, token in self.scheduler.update(scheduler_output, runner_output):
             stop = self.output_processor.add_token(sequence, token)
             if stop is not None and not sequence.status.is_finished:
                 sequence.stop_reason = stop
                 self.scheduler.finish_request(sequence.seq_id, RequestStatus.FINISHED_STOPPED)
         return self.output_processor.make_outputs()
 
-    def _finish_requests(self, request_ids, status: RequestStatus, error: Optional[str]) -> None:
+    def _finish_requests(self, request_ids, status: RequestStatus, error: str | None) -> None:
         """End every live sequence of the given requests, freeing their blocks."""
         for request_id in request_ids:
             for seq_id in self.output_processor.seq_ids(request_id):
@@ -214,109 +210,8 @@ class LLMEngine:
         }
 
 
-def _eos_token_id(loaded: LoadedModel) -> Optional[int]:
+def _eos_token_id(loaded: LoadedModel) -> int | None:
     if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
         return loaded.tokenizer.eos_token_id
     eos = getattr(loaded.config, "eos_token_id", None)
     return eos[0] if isinstance(eos, list) else eos
-
-
-
-class LLM:
-    """Offline generation with vLLM's names: ``LLM(model=...).generate(prompts, params)``.
-
-    Args:
-        model: a model spec (see ``engine.loader``); the embedded SmolLM2-135M-Instruct by
-            default.
-        dtype, device, attention_backend, seed: as ``EngineConfig``.
-        block_size, kv_cache_memory_gb, gpu_memory_utilization, num_gpu_blocks: as
-            ``CacheConfig``.
-        max_num_seqs, max_num_batched_tokens, max_model_len: as ``SchedulerConfig``.
-
-    Attributes:
-        llm_engine: the ``LLMEngine``.
-    """
-
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
-                 attention_backend: str = "auto", seed: int = 0, block_size: int = 16,
-                 kv_cache_memory_gb: float = 2.0, gpu_memory_utilization: float = 0.9,
-                 num_gpu_blocks: Optional[int] = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, max_model_len: Optional[int] = None) -> None:
-        config = EngineConfig(
-            model=model, dtype=dtype, device=device, attention_backend=attention_backend, seed=seed,
-            cache=CacheConfig(block_size=block_size, kv_cache_memory_gb=kv_cache_memory_gb,
-                              gpu_memory_utilization=gpu_memory_utilization,
-                              num_gpu_blocks=num_gpu_blocks),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len))
-        self.llm_engine = LLMEngine(config)
-        self._counter = itertools.count()
-
-    def get_tokenizer(self):
-        return self.llm_engine.tokenizer
-
-    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
-                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; continuous batching over all of them.
-
-        Args:
-            prompts: one prompt or a list (text, token ids, or ``{"prompt_token_ids": ...}``).
-            sampling_params: one for all prompts, or one per prompt.
-            use_tqdm: show a progress bar of finished requests.
-
-        Returns:
-            One final ``RequestOutput`` per prompt, in input order.
-
-        Raises:
-            ValueError: for an invalid prompt (nothing is left queued) or a params list of
-                the wrong length.
-            RuntimeError: if the engine failed a request.
-        """
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
-                             f"{len(prompts)} prompts")
-        request_ids = self._add_requests(prompts, sampling_params)
-        return self._run(request_ids, use_tqdm)
-
-    def chat(self, messages: Union[list[dict], list[list[dict]]],
-             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the tokenizer's
-        chat template (with the generation prompt added)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.llm_engine.chat_prompt(conversation) for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
-
-    def _add_requests(self, prompts, sampling_params) -> list[str]:
-        request_ids = []
-        try:
-            for prompt, params in zip(prompts, sampling_params):
-                request_id = str(next(self._counter))
-                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                self.llm_engine.add_request(request_id, prompt, params)
-                request_ids.append(request_id)
-        except ValueError:
-            for request_id in request_ids:
-                self.llm_engine.abort_request(request_id)
-            raise
-        return request_ids
-
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.llm_engine
-        finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.error is not None:
-                        for request_id in request_ids:
-                            engine.abort_request(request_id)
-                        raise RuntimeError(f"request {output.request_id} failed: {output.error}")
-                    finished[output.request_id] = output
-                    bar.update()
-        return [finished[request_id] for request_id in request_ids]

@@ -23,11 +23,11 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from engine.config import DEFAULT_MODEL
+
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Published shapes of real models (their config.json files), for dummy:<shape>.
@@ -91,9 +91,9 @@ class LoadedModel:
     """
 
     config: object
-    state_dict: Optional[dict[str, torch.Tensor]]
+    state_dict: dict[str, torch.Tensor] | None
     tokenizer: object
-    path: Optional[Path]
+    path: Path | None
 
 
 def cache_root() -> Path:
@@ -222,3 +222,17 @@ def _load_dummy(shape: str) -> LoadedModel:
     fields = dict(DUMMY_SHAPES[shape])
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     return LoadedModel(config, None, None, None)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights for ``dummy:<shape>`` models (benchmarks): N(0, 0.02) matrices, zero
+    biases, unit norms, drawn on the parameters' own device."""
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, 0.02, generator=generator)

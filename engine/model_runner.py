@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import psutil
@@ -16,43 +16,13 @@ import torch
 
 import kernels
 from engine.config import EngineConfig
-from engine.loader import LoadedModel
-from engine.models import AttentionMetadata, build_model
-from engine.request import SampledToken
-from engine.sampler import Sampler, SamplingRow
-from engine.scheduler import SchedulerOutput
+from engine.device import cpu_has_bf16_matmul, resolve_device, resolve_dtype
+from engine.loader import LoadedModel, init_dummy_weights
+from engine.models import AttentionMetadata, build_model, head_dim_of
+from engine.sampler import Sampler
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch sees no CUDA device")
-    return torch.device(device)
-
-
-def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16 in /proc/cpuinfo)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA (float16 before Ampere) and on CPUs with native bf16
-    matrix units (measured here: 950 vs 213 GFLOP/s for fp32), float32 elsewhere."""
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
-
 
 def keep_freed_memory_in_heap() -> None:
     """Stop glibc from returning large freed buffers to the OS.
@@ -115,7 +85,7 @@ class ModelRunner:
         hf = loaded.config
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = hf.num_key_value_heads
-        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.head_dim = head_dim_of(hf)
         self.vocab_size = hf.vocab_size
         self.model = self._build_model(loaded)
         self.sampler = Sampler(self.device, config.seed)
@@ -129,7 +99,7 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype):
             model = build_model(loaded.config, self.config.scheduler.max_model_len)
         if loaded.state_dict is None:
-            _init_dummy_weights(model, self.config.seed)
+            init_dummy_weights(model, self.config.seed)
         else:
             model.load_weights(loaded.state_dict)
         # Keep fp32 copies of the weights where they are small next to the machine's memory
@@ -165,8 +135,8 @@ class ModelRunner:
         sched = self.config.scheduler
         num_tokens = sched.max_num_batched_tokens
         seq_len = min(num_tokens, sched.max_model_len)
-        num_seqs = -(-num_tokens // seq_len)
-        blocks_per_seq = -(-seq_len // self.block_size)
+        num_seqs = kernels.cdiv(num_tokens, seq_len)
+        blocks_per_seq = kernels.cdiv(seq_len, self.block_size)
         caches = _per_layer(self._allocate_kv_cache(num_seqs * blocks_per_seq))
         torch.cuda.reset_peak_memory_stats()
         self._dummy_forward(caches, num_seqs, seq_len, blocks_per_seq, num_tokens)
@@ -203,39 +173,35 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> dict[str, list[SampledToken]]:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Copy shared blocks, run one forward over the scheduled tokens, and sample the
-        sequences that finish a prompt or decode.
-
-        Returns:
-            seq id -> its ``num_samples`` new tokens, for scheduled sequences with
-            ``do_sample``.
-        """
-        self._copy_blocks(output.blocks_to_copy)
-        batch = self.prepare_inputs(output)
+        sequences that finish a prompt or decode."""
+        self._copy_blocks(scheduler_output.blocks_to_copy)
+        batch = self.prepare_inputs(scheduler_output)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if not batch.sample_rows:
-            return {}
-        scheduled = [output.scheduled[i] for i in batch.sample_rows]
+            return ModelRunnerOutput()
+        scheduled = [scheduler_output.scheduled[i] for i in batch.sample_rows]
         # A forking sequence's logits row is drawn from once per sequence of its request.
         repeats = [s.num_samples for s in scheduled]
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         logits = logits.repeat_interleave(torch.tensor(repeats, device=self.device), dim=0)
-        rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids,
-                            s.seq_index + j, s.eos_token_id)
+        rows = [s.sampling_row if j == 0 else
+                dataclasses.replace(s.sampling_row, seq_index=s.sampling_row.seq_index + j)
                 for s in scheduled for j in range(s.num_samples)]
         tokens = iter(self.sampler(logits, rows))
-        return {s.seq_id: [next(tokens) for _ in range(s.num_samples)] for s in scheduled}
+        return ModelRunnerOutput({s.seq_id: [next(tokens) for _ in range(s.num_samples)]
+                                  for s in scheduled})
 
     def _copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks ``src -> dst`` in every layer (copy-on-write of forks)."""
         if blocks_to_copy:
-            src, dst = (torch.tensor(x, device=self.device) for x in zip(*blocks_to_copy))
+            src, dst = (torch.tensor(x, device=self.device) for x in zip(*blocks_to_copy, strict=True))
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
-    def prepare_inputs(self, output: SchedulerOutput) -> BatchInputs:
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> BatchInputs:
         """Build the flattened batch tensors of DESIGN.md from a ``SchedulerOutput``."""
-        scheduled = output.scheduled
+        scheduled = scheduler_output.scheduled
         bs = self.block_size
         query_lens = np.array([len(s.token_ids) for s in scheduled], dtype=np.int64)
         query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int64)
@@ -269,16 +235,3 @@ def _per_layer(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]
     """Per layer ``(k_cache, v_cache)`` views, each ``[num_blocks, block_size, num_kv_heads,
     head_dim]``."""
     return [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
-
-
-@torch.no_grad()
-def _init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Random weights for benchmarks: N(0, 0.02) matrices, zero biases, unit norms."""
-    generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        elif name.endswith(".bias"):
-            param.zero_()
-        else:
-            param.normal_(0.0, 0.02, generator=generator)

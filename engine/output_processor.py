@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.request import (CompletionOutput, Logprob, Request, RequestMetrics, RequestOutput,
-                            SampledToken)
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.request import Request
 from engine.sampling_params import RequestOutputKind
+from engine.scheduler_output import SampledToken
 
 
 @dataclass(slots=True, eq=False)
@@ -53,7 +53,7 @@ class OutputProcessor:
         state = self.states.get(request_id)
         return [] if state is None else [s.seq_id for s in state.sequences.values()]
 
-    def add_token(self, sequence: Request, token: SampledToken) -> Optional[str]:
+    def add_token(self, sequence: Request, token: SampledToken) -> str | None:
         """Record a sequence's new token (already appended to its ids by the scheduler).
 
         Returns:
@@ -94,7 +94,7 @@ class OutputProcessor:
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _detokenizer(self, state: RequestState, sequence: Request) -> Optional[IncrementalDetokenizer]:
+    def _detokenizer(self, state: RequestState, sequence: Request) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
         if sequence.index not in state.detokenizers:
@@ -102,7 +102,7 @@ class OutputProcessor:
                 self.tokenizer, sequence.prompt_token_ids, sequence.sampling_params)
         return state.detokenizers[sequence.index]
 
-    def _make_output(self, state: RequestState) -> Optional[RequestOutput]:
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
         first = state.first
         kind = first.sampling_params.output_kind
         finished = state.finished
@@ -126,7 +126,7 @@ class OutputProcessor:
             return ""
         return detokenizer.pop_delta(finished=state.sequences[index].status.is_finished)
 
-    def _completion(self, state: RequestState, index: int, delta_text: Optional[str]) -> CompletionOutput:
+    def _completion(self, state: RequestState, index: int, delta_text: str | None) -> CompletionOutput:
         """Sequence ``index``'s output: what is new since the last report when ``delta_text``
         is given, else everything so far."""
         sequence = state.sequences[index]
@@ -151,7 +151,7 @@ class OutputProcessor:
             entries.setdefault(token_id, Logprob(logprob, rank, self._token_text(token_id)))
         return entries
 
-    def _token_text(self, token_id: int) -> Optional[str]:
+    def _token_text(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None
         if token_id not in self._token_texts:

@@ -6,31 +6,12 @@ argmax or temperature, top-k/top-p/min-p truncation and a draw.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
-from engine.request import SampledToken
 from engine.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class SamplingRow:
-    """One token to draw: a row of logits and what it needs to know.
-
-    Attributes:
-        params: the request's sampling parameters.
-        prompt_token_ids, output_token_ids: the sequence so far (penalties, ``min_tokens``).
-        seq_index: which of the request's ``n`` sequences the token is for (seeds).
-        eos_token_id: masked while ``min_tokens`` is not reached, unless ``ignore_eos``.
-    """
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    seq_index: int = 0
-    eos_token_id: Optional[int] = None
+from engine.scheduler_output import SampledToken, SamplingRow
 
 
 def request_generator(seed: int, seq_index: int, token_index: int, device: torch.device) -> torch.Generator:
@@ -75,7 +56,7 @@ class Sampler:
             tokens = torch.where(greedy, tokens, self._draw(logits, rows))
         token_ids = tokens.tolist()
         return [self._sampled(token_id, row, logprobs.get(i))
-                for i, (token_id, row) in enumerate(zip(token_ids, rows))]
+                for i, (token_id, row) in enumerate(zip(token_ids, rows, strict=True))]
 
     # ---- drawing -------------------------------------------------------------------------
 
@@ -105,15 +86,15 @@ class Sampler:
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not wanted:
             return {}
-        return dict(zip(wanted, torch.log_softmax(logits[wanted], dim=-1)))
+        return dict(zip(wanted, torch.log_softmax(logits[wanted], dim=-1), strict=True))
 
     @staticmethod
-    def _sampled(token_id: int, row: SamplingRow, logprobs: Optional[torch.Tensor]) -> SampledToken:
+    def _sampled(token_id: int, row: SamplingRow, logprobs: torch.Tensor | None) -> SampledToken:
         if logprobs is None:
             return SampledToken(token_id)
         chosen = logprobs[token_id]
         top = torch.topk(logprobs, row.params.logprobs) if row.params.logprobs else None
-        top_logprobs = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
+        top_logprobs = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
         return SampledToken(token_id, logprob=float(chosen), rank=int((logprobs > chosen).sum()) + 1,
                             top_logprobs=top_logprobs)
 

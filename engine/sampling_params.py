@@ -4,7 +4,6 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from engine.errors import InvalidRequestError
 
@@ -80,14 +79,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    max_tokens: Optional[int] = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
-    logprobs: Optional[int] = None
+    logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE

@@ -24,63 +24,12 @@ Admission reserves room in ``max_num_seqs`` for the forks to come.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Optional
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.errors import ContextLengthExceededError, InvalidRequestError
-from engine.request import Request, RequestStatus, SampledToken, make_seq_id
-from engine.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step.
-
-    Attributes:
-        seq_id: the sequence (``Request.seq_id``).
-        token_ids: the tokens to compute this step (a prompt chunk, or the last sampled token).
-        num_computed_tokens: how many tokens already have K/V in the cache; the position of
-            ``token_ids[0]``.
-        block_table: physical block ids covering ``num_computed_tokens + len(token_ids)``
-            tokens. Read-only for the runner.
-        do_sample: this step reaches the sequence's last token, so its logits are sampled.
-        num_samples: tokens to draw from those logits: ``n`` when the step finishes the
-            prompt of a request about to fork, else 1.
-        seq_index: the sequence's index in its request (sample ``j`` of a forking row is
-            for sequence ``seq_index + j``).
-        sampling_params: the request's parameters.
-        prompt_token_ids, output_token_ids: the sequence's tokens so far (read-only), for
-            penalties and ``min_tokens``.
-        eos_token_id: masked while ``min_tokens`` is not reached.
-    """
-
-    seq_id: str
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_table: list[int]
-    do_sample: bool
-    num_samples: int
-    seq_index: int
-    sampling_params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    eos_token_id: Optional[int]
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """The contract between scheduler and model runner for one step."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_seq_ids: list[str] = field(default_factory=list)
-    # (src, dst) block pairs to copy before the forward (copy-on-write of shared blocks)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
+from engine.request import Request, RequestStatus, make_seq_id
+from engine.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
@@ -165,32 +114,32 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput()
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
-        if not output.preempted_seq_ids:
-            self._schedule_waiting(output, budget)
-        return output
+        scheduler_output = SchedulerOutput()
+        budget = self._schedule_running(scheduler_output, self.config.max_num_batched_tokens)
+        if not scheduler_output.preempted_seq_ids:
+            self._schedule_waiting(scheduler_output, budget)
+        return scheduler_output
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, scheduler_output: SchedulerOutput, budget: int) -> int:
         index = 0
         while index < len(self.running):
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new > 0:
-                if not self._make_room(request, num_new, output):
+                if not self._make_room(request, num_new, scheduler_output):
                     break  # the request preempted itself; everything after it went first
-                self._add_scheduled(output, request, num_new)
+                self._add_scheduled(scheduler_output, request, num_new)
                 budget -= num_new
             index += 1
         return budget
 
-    def _make_room(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
+    def _make_room(self, request: Request, num_new: int, scheduler_output: SchedulerOutput) -> bool:
         """Preempt the newest running requests until ``request`` can grow by ``num_new``."""
         start = request.num_computed_tokens
         while not self.block_manager.can_allocate(request.seq_id, start + num_new, start):
             victim = self.running.pop()
             self._preempt(victim)
-            output.preempted_seq_ids.append(victim.seq_id)
+            scheduler_output.preempted_seq_ids.append(victim.seq_id)
             if victim is request:
                 return False
         return True
@@ -202,7 +151,7 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, scheduler_output: SchedulerOutput, budget: int) -> None:
         num_seqs = len(self.running) + sum(r.num_forks_pending for r in self.running)
         while self.waiting and budget > 0:
             request = self.waiting[0]
@@ -215,57 +164,52 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._add_scheduled(output, request, num_new)
+            self._add_scheduled(scheduler_output, request, num_new)
             budget -= num_new
 
-    def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _add_scheduled(self, scheduler_output: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
         end = start + num_new
         copy = self.block_manager.copy_on_write(request.seq_id, start)
         if copy is not None:
-            output.blocks_to_copy.append(copy)
+            scheduler_output.blocks_to_copy.append(copy)
         self.block_manager.allocate(request.seq_id, end)
         do_sample = end == request.num_tokens
-        output.scheduled.append(ScheduledRequest(
+        scheduler_output.scheduled.append(ScheduledRequest(
             seq_id=request.seq_id,
             token_ids=request.token_ids_slice(start, end),
             num_computed_tokens=start,
             block_table=self.block_manager.block_table(request.seq_id),
             do_sample=do_sample,
             num_samples=1 + request.num_forks_pending if do_sample else 0,
-            seq_index=request.index,
-            sampling_params=request.sampling_params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            eos_token_id=request.eos_token_id,
+            sampling_row=request.sampling_row,
         ))
 
     # ---- after the forward ---------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput,
-               sampled: dict[str, list[SampledToken]]) -> list[tuple[Request, SampledToken]]:
+    def update(self, scheduler_output: SchedulerOutput,
+               runner_output: ModelRunnerOutput) -> list[tuple[Request, SampledToken]]:
         """Record a step's results: computed tokens, sampled tokens, forks, finished sequences.
 
         Args:
-            output: the step's plan, as returned by ``schedule``.
-            sampled: seq id -> the tokens drawn for it (``num_samples`` of them), for the
-                sequences that sampled.
+            scheduler_output: the step's plan, as returned by ``schedule``.
+            runner_output: the tokens drawn for each sequence that sampled.
 
         Returns:
             ``(sequence, its new token)`` for every sequence that got one this step, new forks
             included; finished ones carry their final status and have freed their blocks.
         """
         updated = []
-        for scheduled in output.scheduled:
+        for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.seq_id)
             if request is None:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(scheduled.token_ids)
-            tokens = sampled.get(scheduled.seq_id)
+            tokens = runner_output.sampled.get(scheduled.seq_id)
             if not tokens:
                 continue
             sequences = [request] + self._fork(request, len(tokens) - 1)
-            for sequence, token in zip(sequences, tokens):
+            for sequence, token in zip(sequences, tokens, strict=True):
                 self._append_token(sequence, token.token_id)
                 updated.append((sequence, token))
         return updated

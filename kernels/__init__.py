@@ -1,24 +1,28 @@
 """Attention kernels behind one dispatch. Backends, all with ``kernels.reference``'s contract:
 
 - ``"torch"``: the pure-torch reference (any device);
-- ``"cpu"``: a C++ decode kernel reading the paged cache in place (``kernels.cpu_attention``);
+- ``"cpu"``: a C++ kernel reading the paged cache in place (``kernels.cpu_attention``);
 - ``"triton"``: Triton kernels for CUDA (``kernels.triton_*``).
+
+This module imports torch only when a function needs it, so that the torch-free engine
+modules (scheduler, block manager, config) can use ``BACKENDS`` and ``cdiv``.
 """
 from __future__ import annotations
-
-import torch
-
-from kernels import reference
 
 BACKENDS = ("torch", "cpu", "triton")
 
 
-def resolve_backend(backend: str, device: torch.device | str) -> str:
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers, without floats."""
+    return -(-a // b)
+
+
+def resolve_backend(backend: str, device) -> str:
     """Map an engine's ``attention_backend`` setting to a concrete backend.
 
     Args:
-        backend: ``"auto"``, ``"torch"``, ``"cpu"`` or ``"triton"``.
-        device: the device the KV cache lives on.
+        backend: ``"auto"`` or one of ``BACKENDS``.
+        device: the device the KV cache lives on (``torch.device`` or its name).
 
     Returns:
         For ``auto``: ``"triton"`` on CUDA; on the CPU ``"cpu"`` where its C++ kernel builds,
@@ -27,6 +31,8 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     Raises:
         ValueError: for an unknown name, or "cpu" off the CPU.
     """
+    import torch
+
     device_type = torch.device(device).type
     if backend == "auto":
         if device_type == "cuda":
@@ -47,7 +53,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, backend: str = "torch")
     if backend == "triton":
         from kernels.triton_store_kv import store_kv as impl
     else:
-        impl = reference.store_kv
+        from kernels.reference import store_kv as impl
     impl(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -59,5 +65,5 @@ def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_
     elif backend == "cpu":
         from kernels.cpu_attention import paged_attention as impl
     else:
-        impl = reference.paged_attention
+        from kernels.reference import paged_attention as impl
     return impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cdiv
+
 
 def store_kv(
     key: torch.Tensor,
@@ -94,7 +96,7 @@ def prefill_attention(query, k_cache, v_cache, block_tables, starts: list[int], 
     ``seq_lens`` as lists."""
     for i, seq_len in enumerate(lens):
         if starts[i + 1] - starts[i] > 1:
-            blocks = block_tables[i, :_cdiv(seq_len, k_cache.shape[1])].long()
+            blocks = block_tables[i, :cdiv(seq_len, k_cache.shape[1])].long()
             k = k_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
             v = v_cache[blocks].flatten(0, 1)[:seq_len]
             q = query[starts[i]:starts[i + 1]]  # [query_len, num_heads, head_dim]
@@ -110,7 +112,7 @@ def _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, rows,
     """Query-length-1 sequences ``rows`` at once, over K/V padded to the longest of them."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     device = query.device
-    max_blocks = _cdiv(max(lens[i] for i in rows), block_size)
+    max_blocks = cdiv(max(lens[i] for i in rows), block_size)
     rows_t = torch.tensor(rows, device=device)
     tables = block_tables[rows_t, :max_blocks].long().clamp_(0, num_blocks - 1).flatten()
     padded_len = max_blocks * block_size
@@ -143,7 +145,3 @@ def _causal_mask(query_len: int, seq_len: int, device) -> torch.Tensor:
     at positions up to its own."""
     q_pos = torch.arange(seq_len - query_len, seq_len, device=device)
     return torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)

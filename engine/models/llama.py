@@ -100,6 +100,8 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
 
 
 def head_dim_of(config) -> int:
+    """A transformers config's ``head_dim``, or ``hidden_size // num_attention_heads`` where it
+    has none (the Llama convention)."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
@@ -221,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
 

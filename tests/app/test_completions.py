@@ -63,7 +63,7 @@ def test_logprobs_in_the_openai_shapes(client):
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(len(top) == 3 and max(top.values()) == pytest_approx(tok) for top, tok in
-               zip(lp.top_logprobs, lp.token_logprobs))
+               zip(lp.top_logprobs, lp.token_logprobs, strict=True))
     assert "".join(lp.tokens) == out.choices[0].text
     chat = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=5,
                                           logprobs=True, top_logprobs=2)

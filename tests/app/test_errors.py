@@ -18,9 +18,11 @@ def _error_cases():
         ("missing model", "/v1/completions", {"prompt": "x"}, 400, "model", None, "model is required"),
         ("wrong type", "/v1/completions", {**ok, "max_tokens": "ten"}, 400, "max_tokens", None, "integer"),
         ("wrong type temperature", "/v1/completions", {**ok, "temperature": "hot"}, 400, "temperature", None, "number"),
-        ("temperature -1", "/v1/completions", {**ok, "temperature": -1}, 400, "temperature", None, "temperature must be a finite number >= 0"),
+        ("temperature -1", "/v1/completions", {**ok, "temperature": -1}, 400, "temperature", None,
+         "temperature must be a finite number >= 0"),
         ("top_p 1.5", "/v1/completions", {**ok, "top_p": 1.5}, 400, "top_p", None, "top_p must be in (0, 1]"),
-        ("max_tokens -1", "/v1/completions", {**ok, "max_tokens": -1}, 400, "max_tokens", None, "max_tokens must be >= 1"),
+        ("max_tokens -1", "/v1/completions", {**ok, "max_tokens": -1}, 400, "max_tokens", None,
+         "max_tokens must be >= 1"),
         ("n 0", "/v1/completions", {**ok, "n": 0}, 400, "n", None, "n must be an integer in [1, 128]"),
         ("empty prompt", "/v1/completions", {**ok, "prompt": ""}, 400, "prompt", None, "prompt is empty"),
         ("prompt over max_model_len", "/v1/completions", {**ok, "prompt": LONG_PROMPT}, 400, "prompt",
@@ -51,10 +53,12 @@ def _error_cases():
         ("min_tokens beyond the room left", "/v1/completions",
          {"model": MODEL, "prompt": [7] * 8190, "max_tokens": None, "min_tokens": 5}, 400, "min_tokens", None,
          "min_tokens (5) exceeds the 2 tokens"),
-        ("unknown model", "/v1/completions", {**ok, "model": "gpt-7"}, 404, "model", "model_not_found", "'gpt-7' does not exist"),
+        ("unknown model", "/v1/completions", {**ok, "model": "gpt-7"}, 404, "model", "model_not_found",
+         "'gpt-7' does not exist"),
         ("bad chat role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
          400, "messages.0.role", None, "messages.0.role"),
-        ("token id out of range", "/v1/completions", {**ok, "prompt": [1, 2, 10**6]}, 400, "prompt", None, "outside the vocabulary"),
+        ("token id out of range", "/v1/completions", {**ok, "prompt": [1, 2, 10**6]}, 400, "prompt", None,
+         "outside the vocabulary"),
     ]
 
 

@@ -7,7 +7,8 @@ import time
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from engine.async_llm import AsyncLLM
+from engine.errors import EngineDeadError, RequestFailedError
 from engine.sampling_params import RequestOutputKind
 from tests.engine.conftest import assert_idle
 

@@ -19,8 +19,9 @@ def test_prompt_lengths_cover_block_boundaries(mixed_prompts):
     assert {15, 16, 17, 31, 32, 33} <= set(PROMPT_LENGTHS) and max(PROMPT_LENGTHS) >= 400
 
 
+@pytest.mark.slow
 def test_each_prompt_alone_matches_transformers(llm, mixed_prompts, hf_expected):
-    for prompt, expected in zip(mixed_prompts, hf_expected):
+    for prompt, expected in zip(mixed_prompts, hf_expected, strict=True):
         (output,) = llm.generate(prompt, GREEDY, use_tqdm=False)
         assert output.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens"
         assert output.outputs[0].finish_reason == "length"

@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from engine.sampler import (Sampler, SamplingRow, apply_logit_bias, apply_min_tokens,
-                            apply_penalties, sampling_probs, truncate)
+from engine.sampler import Sampler, apply_logit_bias, apply_min_tokens, apply_penalties, sampling_probs, truncate
 from engine.sampling_params import SamplingParams
+from engine.scheduler_output import SamplingRow
 
 INF = float("-inf")
 CPU = torch.device("cpu")

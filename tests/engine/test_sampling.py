@@ -107,24 +107,27 @@ def test_stop_token_ids_and_logprobs(llm):
     assert c.finish_reason == "stop" and c.stop_reason == ids[stop_at]
     assert c.token_ids == ids[:stop_at + 1]
     assert len(c.logprobs) == stop_at + 1
-    for token_id, entry in zip(c.token_ids, c.logprobs):
+    for token_id, entry in zip(c.token_ids, c.logprobs, strict=True):
         first = next(iter(entry))
         assert first == token_id and entry[token_id].rank == 1  # greedy picks rank 1
         values = [lp.logprob for lp in entry.values()]
         assert values == sorted(values, reverse=True) and len(entry) == 3
-    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+    chosen = [e[t].logprob for t, e in zip(c.token_ids, c.logprobs, strict=True)]
+    assert c.cumulative_logprob == pytest.approx(sum(chosen))
     assert out.metrics.first_token_time >= out.metrics.arrival_time
     assert out.metrics.last_token_time >= out.metrics.first_token_time
 
 
 def test_invalid_parameters_name_the_field_and_range():
     cases = [(dict(temperature=-1), "temperature must be a finite number >= 0"),
-             (dict(temperature=float("inf")), "temperature must be a finite number"), (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+             (dict(temperature=float("inf")), "temperature must be a finite number"),
+             (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
              (dict(top_k=-2), "top_k must be"), (dict(n=0), r"n must be an integer in \[1, 128\]"),
              (dict(max_tokens=0), "max_tokens must be >= 1"), (dict(min_p=2), r"min_p must be in \[0, 1\]"),
              (dict(presence_penalty=3), r"presence_penalty must be in \[-2, 2\]"),
              (dict(repetition_penalty=1e-45), r"repetition_penalty must be in \[0.01, 100\]"),
-             (dict(logprobs=21), r"logprobs must be in \[0, 20\]"), (dict(stop=[""]), "stop must be at most 16 non-empty strings"),
+             (dict(logprobs=21), r"logprobs must be in \[0, 20\]"),
+             (dict(stop=[""]), "stop must be at most 16 non-empty strings"),
              (dict(logit_bias={1: 101}), r"bias in \[-100, 100\]"),
              (dict(min_tokens=5, max_tokens=4), r"min_tokens must be >= 0 and <= max_tokens \(4\)")]
     for kwargs, message in cases:

@@ -9,9 +9,10 @@ import pytest
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.request import Request, RequestStatus, SampledToken
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.scheduler_output import ModelRunnerOutput, SampledToken
 
 
 def make_scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
@@ -31,7 +32,7 @@ def make_request(request_id, num_prompt_tokens, max_tokens=4, eos_token_id=None)
 def run_step(scheduler, token_id=7):
     output = scheduler.schedule()
     sampled = {s.seq_id: [SampledToken(token_id)] * s.num_samples for s in output.scheduled if s.do_sample}
-    scheduler.update(output, sampled)
+    scheduler.update(output, ModelRunnerOutput(sampled))
     return output
 
 
@@ -195,7 +196,7 @@ def test_n_sequences_fork_after_the_prompt_and_share_its_blocks():
     s.add_request(request)
     out = s.schedule()
     assert plan(out) == [("r", 10, 0, [0, 1, 2], True)] and out.scheduled[0].num_samples == 3
-    s.update(out, {"r": [SampledToken(7), SampledToken(8), SampledToken(9)]})
+    s.update(out, ModelRunnerOutput({"r": [SampledToken(7), SampledToken(8), SampledToken(9)]}))
     assert [(r.seq_id, r.output_token_ids) for r in s.running] == [("r", [7]), ("r#1", [8]), ("r#2", [9])]
     bm = s.block_manager
     assert bm.block_tables == {"r": [0, 1, 2], "r#1": [0, 1, 2], "r#2": [0, 1, 2]}

@@ -6,7 +6,6 @@ a kernel that reads past ``seq_len`` or through a stale block-table entry fails 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -76,7 +75,7 @@ def slots_of(block_table_row: torch.Tensor, seq_len: int, block_size: int) -> to
 
 def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
                block_size: int, dtype: torch.dtype, seed: int = 0,
-               num_blocks: Optional[int] = None, first_block: int = 0) -> PagedBatch:
+               num_blocks: int | None = None, first_block: int = 0) -> PagedBatch:
     """Random queries and a paged cache holding every sequence's full context.
 
     Args:

@@ -3,10 +3,10 @@ sweep as the Triton kernels: shuffled block tables padded with -1, NaN-poisoned 
 decode, prompts, chunks and mixed batches, GQA groups 1, 3, 7, head_dim 64/128/80."""
 import pytest
 import torch
-from paged_cases import CHUNKS, DECODE, MIXED, PROMPTS, TOLERANCES, make_batch
 
 import kernels
 from kernels import cpu_attention, reference
+from tests.kernels.paged_cases import CHUNKS, DECODE, MIXED, PROMPTS, TOLERANCES, make_batch
 
 pytestmark = pytest.mark.skipif(not cpu_attention.is_available(), reason="the C++ kernel did not build")
 

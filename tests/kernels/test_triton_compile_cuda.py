@@ -16,6 +16,7 @@ import torch
 SCRIPT = Path(__file__).with_name("cuda_compile_check.py")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile the kernels for real")
 def test_kernels_compile_for_sm80_and_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

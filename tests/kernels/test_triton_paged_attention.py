@@ -6,10 +6,10 @@ and a NaN-poisoned cache.
 """
 import pytest
 import torch
-from paged_cases import CHUNKS, DECODE, DEVICE, MIXED, PROMPTS, TOLERANCES, make_batch
 
 from kernels import reference
 from kernels.triton_paged_attention import MAX_SPLITS, paged_attention, plan
+from tests.kernels.paged_cases import CHUNKS, DECODE, DEVICE, MIXED, PROMPTS, TOLERANCES, make_batch
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -1,10 +1,10 @@
 """Triton ``store_kv`` against ``kernels.reference.store_kv``: results must be bit-identical."""
 import pytest
 import torch
-from paged_cases import DEVICE, shuffled_block_tables, slots_of
 
 from kernels import reference
 from kernels.triton_store_kv import store_kv
+from tests.kernels.paged_cases import DEVICE, shuffled_block_tables, slots_of
 
 
 def _random_slots(num_tokens, num_blocks, block_size, gen, num_skipped=0):

@@ -4,6 +4,8 @@ import random
 import subprocess
 import sys
 
+import pytest
+
 from tests.serve_process import ROOT
 
 SHARED_WORKLOAD = ROOT.parent / "shared" / "workloads" / "w1_mixed.json"
@@ -22,6 +24,8 @@ def _workload(tmp_path):
     return path
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_offline_benchmark_quick(tmp_path):
     out_path = tmp_path / "offline.json"
     workload = _workload(tmp_path)

@@ -1,0 +1,84 @@
+"""What the engine hands to callers: ``RequestOutput``, ``CompletionOutput``, ``Logprob``
+(vLLM's public output types and field names)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Logprob:
+    """A token's log probability (vLLM's ``Logprob``).
+
+    Attributes:
+        logprob: natural log of its probability after penalties and bias, before
+            temperature and truncation.
+        rank: 1 for the most likely token.
+        decoded_token: the token's text, when a tokenizer is loaded.
+    """
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# Per generated token: token id -> Logprob, the sampled token first, then the top
+# alternatives in descending order.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One generated sequence of a request (vLLM's ``CompletionOutput``).
+
+    Attributes:
+        index: the sequence's index among the request's ``n`` outputs.
+        text: the generated text (cumulative, or this step's new text for a delta).
+        token_ids: the generated token ids (cumulative, or this step's for a delta).
+        cumulative_logprob: sum of the sampled tokens' log probabilities, when
+            ``logprobs`` was asked for.
+        logprobs: per token, the sampled token's and the top alternatives' ``Logprob``,
+            when ``logprobs`` was asked for (cumulative or delta like ``token_ids``).
+        finish_reason: 'stop', 'length', 'abort', or ``None`` while running.
+        stop_reason: the stop string or stop token id that ended it; ``None`` for EOS,
+            length, or while running.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock times (``time.time()``, seconds) of a request's life."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What the engine reports for a request after a step (vLLM's ``RequestOutput``).
+
+    Attributes:
+        request_id: the caller's id.
+        prompt: the prompt text, when it was given as text.
+        prompt_token_ids: the prompt's token ids.
+        outputs: one ``CompletionOutput`` per generated sequence.
+        finished: whether the request is done (all its sequences).
+        metrics: arrival, first-token and last-token times.
+        error: why the engine failed the request, if it did.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    error: str | None = None
