@@ -58,11 +58,19 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, backend: str = "torch")
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                    backend: str = "torch"):
-    """Paged causal attention. Arguments and result as ``kernels.reference.paged_attention``."""
+                    backend: str = "torch", num_decodes: int = 0):
+    """Paged causal attention. Arguments and result as ``kernels.reference.paged_attention``.
+
+    ``num_decodes`` (host-side int): the first ``num_decodes`` sequences have query length 1;
+    the Triton backend launches them with its decode tiling (see
+    ``kernels.triton_paged_attention.paged_attention``); the other backends ignore it.
+    """
     if backend == "triton":
-        from kernels.triton_paged_attention import paged_attention as impl
-    elif backend == "cpu":
+        from kernels.triton_paged_attention import paged_attention as triton_impl
+
+        return triton_impl(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                           num_decodes=num_decodes)
+    if backend == "cpu":
         from kernels.cpu_attention import paged_attention as impl
     else:
         from kernels.reference import paged_attention as impl

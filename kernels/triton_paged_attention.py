@@ -1,28 +1,45 @@
-"""Triton paged attention: one launch for a batch that mixes prefill chunks and decode tokens.
+"""Triton paged attention for a flattened batch of decode tokens and prefill chunks.
 
 Same contract as ``kernels.reference.paged_attention``.
 
 Organisation
 ------------
-Grid ``(num_q_blocks, num_kv_heads, num_splits)``. A program owns one *q block*: up to
-``BLOCK_Q`` consecutive query tokens of one sequence times all query heads of one KV group
-(the group padded to ``GROUP_PAD``, a power of two), i.e. a ``[BLOCK_M = BLOCK_Q * GROUP_PAD,
-head_dim]`` tile of queries. It walks that sequence's keys in tiles of ``TILE_N`` positions,
-reading K and V *in place* through the block table (each row of a tile looks up its own
-physical block), so every K/V tile is loaded once for all query heads of the group. Scores,
-the online softmax (base 2) and the output accumulator are fp32.
+One kernel, launched once per kind of sequence in the batch (``plan_launches``):
 
-Sequence ``i`` owns program ids ``[qsl[i] // BLOCK_Q + i, qsl[i + 1] // BLOCK_Q + i + 1)``,
-at least ``cdiv(query_len_i, BLOCK_Q)`` of them, so the grid size
-``num_tokens // BLOCK_Q + num_seqs`` comes from shapes alone (no device-to-host sync); a
-program finds its sequence by binary search over ``query_start_loc`` and returns at once
-when its q block lies past the sequence's queries.
+- *decode* (query length 1; the engine puts these first, ``num_decodes`` of them): grid
+  ``(num_decodes, num_kv_heads, num_splits)``, one program per sequence and KV head, small
+  q tiles, and flash-decoding splits of the key range when few programs would cover a long
+  context;
+- *prefill* (every other sequence): grid ``(num_q_blocks, num_kv_heads, 1)``, large q tiles.
 
-Flash-decoding: when few programs would cover a long context, each program takes only the
-``split``-th share of its key tiles and writes an unnormalised partial output with its
-running max and sum; ``_reduce_splits_kernel`` then merges the splits of every
-``(token, head)``. The split count is picked on the host from shapes only
-(``block_tables.shape[1] * block_size`` stands in for the longest context; see ``plan``).
+A program owns one *q block*: up to ``BLOCK_Q`` consecutive query tokens of one sequence
+times all query heads of one KV group (the group padded to ``GROUP_PAD``, a power of two),
+i.e. a ``[BLOCK_M = BLOCK_Q * GROUP_PAD, head_dim]`` tile of queries. It walks that
+sequence's keys in tiles of ``TILE_N`` positions, reading K and V *in place* through the
+block table (each row of a tile looks up its own physical block), so every K/V tile is
+loaded once for all query heads of the group. Scores, the online softmax (base 2) and the
+output accumulator are fp32.
+
+In a prefill launch over sequences ``[seq_lo, seq_hi)``, sequence ``i`` owns program ids
+``[(qsl[i] - qsl[seq_lo]) // BLOCK_Q + i - seq_lo, (qsl[i + 1] - qsl[seq_lo]) // BLOCK_Q
++ i + 1 - seq_lo)``, at least ``cdiv(query_len_i, BLOCK_Q)`` of them, so the grid size
+``num_prefill_tokens // BLOCK_Q + num_prefill_seqs`` comes from shapes alone (no
+device-to-host sync); a program finds its sequence by binary search over
+``query_start_loc`` and returns at once when its q block lies past the sequence's queries.
+
+Flash-decoding: with ``num_splits > 1`` each decode program takes only the ``split``-th
+share of its key tiles and writes an unnormalised partial output with its running max and
+sum; ``_reduce_splits_kernel`` then merges the splits of every ``(token, head)``. The split
+count is picked on the host from shapes only (``block_tables.shape[1] * block_size`` stands
+in for the longest context).
+
+Compiled variants: Triton compiles one binary per distinct set of constexpr values and per
+specialisation of the integer arguments (a value of 1 becomes a constant; a multiple of 16
+gets a divisibility hint). The arguments that change from step to step (``seq_lo``,
+``seq_hi``, ``num_splits``, the block-table stride) are marked ``do_not_specialize``, and
+the split count is a runtime value, so serving one model compiles three kernels: decode,
+prefill, and the split reduce (``variant_key`` names them; the engine compiles them at
+start-up, see ``engine.model_runner.ModelRunner.warm_up``).
 """
 from __future__ import annotations
 
@@ -51,18 +68,20 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
-def _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
-    """The sequence whose program-id range contains ``q_block`` (binary search)."""
-    lo = 0
-    hi = num_seqs
+def _find_seq(query_start_loc_ptr, seq_lo, seq_hi, q_block, BLOCK_Q: tl.constexpr):
+    """The sequence in ``[seq_lo, seq_hi)`` whose program-id range contains ``q_block``
+    (binary search; program ids count from the launch's first sequence ``seq_lo``)."""
+    base = tl.load(query_start_loc_ptr + seq_lo)
+    lo = seq_lo
+    hi = seq_hi
     while lo < hi:
         mid = (lo + hi) // 2
-        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        first = (tl.load(query_start_loc_ptr + mid) - base) // BLOCK_Q + mid - seq_lo
         if first <= q_block:
             lo = mid + 1
         else:
             hi = mid
-    return lo - 1
+    return lo - 1, base
 
 
 @triton.jit
@@ -105,9 +124,9 @@ def _attend_tile(
 
 @triton.jit
 def _write_output(
-    acc, m_i, l_i, token, head, row_mask, io_mask, split, num_heads,
+    acc, m_i, l_i, token, head, row_mask, io_mask, split, num_splits, num_heads,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh,
-    HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
 ):
     """Store the normalised output, or with splits this split's unnormalised partials.
 
@@ -115,19 +134,23 @@ def _write_output(
     ``row_mask``: [BLOCK_M]; ``io_mask``: [BLOCK_M, HEAD_DIM_PAD].
     """
     dims = tl.arange(0, HEAD_DIM_PAD)
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        part = (token * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M], int64
+        part = (token * num_heads + head) * num_splits + split  # [BLOCK_M], int64
         tl.store(part_max_ptr + part, m_i, mask=row_mask)
         tl.store(part_sum_ptr + part, l_i, mask=row_mask)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], acc,
                  mask=row_mask[:, None])
 
 
-@triton.jit
+# Arguments that change from step to step: no per-value specialisation (see the docstring).
+_RUNTIME_ARGS = ["seq_lo", "seq_hi", "num_splits", "stride_bt"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME_ARGS)
 def _paged_attention_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -135,17 +158,19 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq], int32
     query_start_loc_ptr,  # [num_seqs + 1], int32
     seq_lens_ptr,  # [num_seqs], int32
-    out_ptr,  # [num_tokens, num_heads, head_dim]; written when NUM_SPLITS == 1
-    part_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_PAD], fp32, unnormalised
-    part_max_ptr,  # [num_tokens, num_heads, NUM_SPLITS], fp32, running max in log2 units
-    part_sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS], fp32, running sum of exp2
+    out_ptr,  # [num_tokens, num_heads, head_dim]; written when num_splits == 1
+    part_out_ptr,  # [num_decodes, num_heads, num_splits, HEAD_DIM_PAD], fp32, unnormalised
+    part_max_ptr,  # [num_decodes, num_heads, num_splits], fp32, running max in log2 units
+    part_sum_ptr,  # [num_decodes, num_heads, num_splits], fp32, running sum of exp2
     qk_scale,  # softmax scale * log2(e)
-    num_seqs, num_heads, head_dim, group_size,
+    seq_lo, seq_hi,  # this launch's sequences [seq_lo, seq_hi)
+    num_splits,  # key-range splits per sequence (the grid's third dimension)
+    num_heads, head_dim, group_size,
     stride_qt, stride_qh, stride_ot, stride_oh,  # query / out strides (token, head)
     stride_cb, stride_cs, stride_ch,  # cache strides (block, slot, head)
     stride_bt,  # block table stride (sequence)
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, TILE_N: tl.constexpr, IS_DECODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
@@ -153,10 +178,16 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_lo = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query of this block
+    if IS_DECODE:  # one program per sequence, whose one query token is its last position
+        seq = seq_lo + q_block
+        q_start = tl.load(query_start_loc_ptr + seq)
+        query_len = 1
+        q_lo = 0
+    else:
+        seq, base = _find_seq(query_start_loc_ptr, seq_lo, seq_hi, q_block, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        q_lo = (q_block - ((q_start - base) // BLOCK_Q + seq - seq_lo)) * BLOCK_Q
     if q_lo >= query_len:
         return
     context_len = tl.load(seq_lens_ptr + seq) - query_len
@@ -175,7 +206,7 @@ def _paged_attention_kernel(
     # Causal: the block's last query sees kv_len keys; earlier rows are masked per tile.
     kv_len = context_len + tl.minimum(q_lo + BLOCK_Q, query_len)
     num_tiles = tl.cdiv(kv_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -191,38 +222,46 @@ def _paged_attention_kernel(
             stride_cb, stride_cs, stride_ch, head_dim,
             BLOCK_SIZE, TILE_N, HEAD_DIM_PAD, DOT_PRECISION, UPCAST_DOT)
 
-    _write_output(acc, m_i, l_i, token, head, row_mask, io_mask, split, num_heads,
+    _write_output(acc, m_i, l_i, token, head, row_mask, io_mask, split, num_splits, num_heads,
                   out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh,
-                  HEAD_DIM_PAD, NUM_SPLITS)
+                  HEAD_DIM_PAD)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
-    part_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_PAD], fp32
-    part_max_ptr,  # [num_tokens, num_heads, NUM_SPLITS], fp32, log2 units
-    part_sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS], fp32
-    out_ptr,  # [num_tokens, num_heads, head_dim]
-    num_heads, head_dim,
+    part_out_ptr,  # [num_decodes, num_heads, num_splits, HEAD_DIM_PAD], fp32
+    part_max_ptr,  # [num_decodes, num_heads, num_splits], fp32, log2 units
+    part_sum_ptr,  # [num_decodes, num_heads, num_splits], fp32
+    out_ptr,  # [num_tokens, num_heads, head_dim]; rows 0 .. num_decodes - 1 are written
+    num_splits, num_heads, head_dim,
     stride_ot, stride_oh,  # out strides (token, head)
-    NUM_SPLITS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
     """Merge the splits of one ``(token, head)``: rescale each to the common max and normalise."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    part = (token * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)  # [NUM_SPLITS]
+    splits = tl.arange(0, MAX_SPLITS)
+    valid = splits < num_splits
+    part = (token * num_heads + head) * num_splits + splits  # [MAX_SPLITS]
     dims = tl.arange(0, HEAD_DIM_PAD)
-    m = tl.load(part_max_ptr + part)
-    weight = tl.exp2(m - tl.max(m, 0))  # an empty split has m = -1e30, l = 0: weight 0
-    total = tl.sum(weight * tl.load(part_sum_ptr + part), 0)
-    acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :])
+    m = tl.load(part_max_ptr + part, mask=valid, other=-1e30)
+    # An empty split (and a padding one) has m = -1e30, l = 0: weight 0.
+    weight = tl.exp2(m - tl.max(m, 0))
+    total = tl.sum(weight * tl.load(part_sum_ptr + part, mask=valid, other=0.0), 0)
+    acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :],
+                  mask=valid[:, None], other=0.0)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < head_dim)
 
 
 class LaunchPlan(NamedTuple):
-    """Tile sizes and grid of one ``paged_attention`` call, all from host-side shapes."""
+    """One launch of ``_paged_attention_kernel``: its sequences, tile sizes and grid, all
+    from host-side shapes."""
 
+    is_decode: bool  # the decode kernel (query length 1 per sequence) or the prefill kernel
+    seq_lo: int  # first sequence of the launch
+    seq_hi: int  # one past its last sequence
     block_m: int  # query rows per program: block_m // group_pad tokens x group_pad heads
     group_pad: int  # query heads per KV group, padded to a power of two
     tile_n: int  # key positions per inner-loop step
@@ -232,42 +271,60 @@ class LaunchPlan(NamedTuple):
     grid: tuple[int, int, int]
 
 
-def plan(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
-         max_context: int, num_cores: int, is_fp32: bool = False,
-         num_splits: int | None = None) -> LaunchPlan:
-    """Choose tile sizes, the split count and the grid from shapes alone (no device sync).
+def plan_launches(num_tokens: int, num_seqs: int, num_decodes: int, num_heads: int,
+                  num_kv_heads: int, head_dim: int, max_context: int, num_cores: int,
+                  is_fp32: bool = False, num_splits: int | None = None) -> list[LaunchPlan]:
+    """The decode launch (sequences ``[0, num_decodes)``) and the prefill launch (the rest),
+    each only when it has sequences; from shapes alone (no device sync).
 
     Args:
         num_tokens, num_seqs: query tokens and sequences in the batch.
+        num_decodes: how many leading sequences have query length 1 (so they are also the
+            first ``num_decodes`` tokens).
         num_heads, num_kv_heads, head_dim: the attention shape.
         max_context: an upper bound on any ``seq_lens[i]``, in tokens; the caller passes
             ``block_tables.shape[1] * block_size``. If the engine pads block tables far past
             the longest sequence this overestimates, which only costs a few empty splits.
         num_cores: streaming multiprocessors (or CPU programs) to fill.
         is_fp32: fp32 inputs (twice the registers per tile, so smaller tiles).
-        num_splits: force a split count (a power of two); ``None`` picks one.
+        num_splits: force the decode launch's split count (1 to ``MAX_SPLITS``); ``None``
+            picks one.
+
+    Raises:
+        ValueError: ``num_decodes`` outside ``[0, num_seqs]`` or above ``num_tokens``, or
+            ``num_splits`` outside ``[1, MAX_SPLITS]``.
     """
+    if not 0 <= num_decodes <= min(num_seqs, num_tokens):
+        raise ValueError(f"num_decodes must be in [0, min(num_seqs, num_tokens)] = "
+                         f"[0, {min(num_seqs, num_tokens)}]; got {num_decodes}")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}]; got {num_splits}")
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
-    is_decode_heavy = num_tokens <= 2 * num_seqs
-    block_m = max(16 if is_decode_heavy else 64, group_pad)  # tl.dot needs M >= 16
-    # At head_dim 128 these compile without register spills (ptxas -v, sm_90; bf16 also sm_80).
-    tile_n = 32 if is_decode_heavy or is_fp32 else 64
-    num_warps = 4 if is_decode_heavy and not is_fp32 else 8
-    block_q = block_m // group_pad
-    if num_splits is None:
-        # Decode-shaped batches only: prefill fills the machine. This also bounds the fp32
-        # partials to about 4 * num_cores * group rows of head_dim_pad floats.
-        busy = max(num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_heads
-        by_cores = (2 * num_cores) // busy if is_decode_heavy else 1
-        by_length = max_context // MIN_KEYS_PER_SPLIT
-        num_splits = _floor_power_of_2(max(1, min(MAX_SPLITS, by_cores, by_length)))
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
-    return LaunchPlan(block_m, group_pad, tile_n, max(16, triton.next_power_of_2(head_dim)),
-                      num_splits, num_warps, grid)
-
-
-def _floor_power_of_2(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    launches = []
+    if num_decodes:
+        block_m = max(16, group_pad)  # tl.dot needs M >= 16
+        if num_splits is None:
+            # Fill about twice the cores; never split below MIN_KEYS_PER_SPLIT keys. This
+            # also bounds the fp32 partials to about 2 * num_cores * group rows.
+            by_cores = (2 * num_cores) // (num_decodes * num_kv_heads)
+            by_length = max_context // MIN_KEYS_PER_SPLIT
+            num_splits = max(1, min(MAX_SPLITS, by_cores, by_length))
+        # No register spills at head_dim 128 (ptxas -v, sm_80 and sm_90; see the compile check).
+        launches.append(LaunchPlan(True, 0, num_decodes, block_m, group_pad, 32, head_dim_pad,
+                                   num_splits, 8 if is_fp32 else 4,
+                                   (num_decodes, num_kv_heads, num_splits)))
+    if num_decodes < num_seqs:
+        # fp32 64 x 32 tiles spill registers at head_dim 128 (1 KB per thread on sm_90);
+        # 32 x 16 do not (ptxas -v, sm_80 and sm_90).
+        block_m = max(32 if is_fp32 else 64, group_pad)
+        block_q = block_m // group_pad
+        num_prefill_tokens = num_tokens - num_decodes
+        launches.append(LaunchPlan(False, num_decodes, num_seqs, block_m, group_pad,
+                                   16 if is_fp32 else 64, head_dim_pad, 1, 8,
+                                   (num_prefill_tokens // block_q + num_seqs - num_decodes,
+                                    num_kv_heads, 1)))
+    return launches
 
 
 @functools.cache
@@ -286,6 +343,7 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     *,
+    num_decodes: int = 0,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flattened batch of query tokens over a paged KV cache.
@@ -300,12 +358,22 @@ def paged_attention(
         seq_lens: ``[num_seqs]``, int32, total length of each sequence including its new
             tokens, in tokens.
         scale: softmax scale, usually ``head_dim ** -0.5``.
-        num_splits: keyword-only, for tests and benchmarks: force this many key-range splits
-            (a power of two); ``None`` lets ``plan`` choose.
+        num_decodes: keyword-only, host-side: the first ``num_decodes`` sequences have query
+            length 1 and take the decode launch (split-K over long contexts); the others
+            take the prefill launch. 0 (the default) is right for any batch, only slower
+            for decodes. A wrong count gives wrong results: the kernel cannot check it
+            without a device sync.
+        num_splits: keyword-only, for tests and benchmarks: force the decode launch's
+            key-range split count (1 to ``MAX_SPLITS``); ``None`` lets ``plan_launches``
+            choose.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype; fp32 accumulation.
         Rows of tokens outside every sequence's query range are left unspecified.
+
+    Raises:
+        ValueError: for mismatched shapes, dtypes or layouts, or ``num_decodes`` /
+            ``num_splits`` out of range.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -314,32 +382,38 @@ def paged_attention(
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    p = plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim,
-             block_tables.shape[1] * block_size, _num_cores(query.device),
-             query.dtype == torch.float32, num_splits)
-    part_out = part_max = part_sum = out  # unused placeholders when there is no split
-    if p.num_splits > 1:
-        part_out = query.new_empty((num_tokens, num_heads, p.num_splits, p.head_dim_pad),
-                                   dtype=torch.float32)
-        part_max = query.new_empty((num_tokens, num_heads, p.num_splits), dtype=torch.float32)
-        part_sum = torch.empty_like(part_max)
-    _paged_attention_kernel[p.grid](
-        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        out, part_out, part_max, part_sum,
-        scale * LOG2E, num_seqs, num_heads, head_dim, num_heads // num_kv_heads,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        BLOCK_SIZE=block_size, BLOCK_M=p.block_m, GROUP_PAD=p.group_pad,
-        HEAD_DIM_PAD=p.head_dim_pad, TILE_N=p.tile_n, NUM_SPLITS=p.num_splits,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=_INTERPRET and query.dtype == torch.bfloat16,
-        num_warps=p.num_warps,
-    )
-    if p.num_splits > 1:
-        _reduce_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_max, part_sum, out, num_heads, head_dim,
-            out.stride(0), out.stride(1), NUM_SPLITS=p.num_splits, HEAD_DIM_PAD=p.head_dim_pad)
+    is_fp32 = query.dtype == torch.float32
+    for p in plan_launches(num_tokens, num_seqs, num_decodes, num_heads, num_kv_heads, head_dim,
+                           block_tables.shape[1] * block_size, _num_cores(query.device),
+                           is_fp32, num_splits):
+        # Partials only exist for a split decode launch; otherwise a one-element fp32
+        # placeholder keeps the pointer types, hence the compiled variant, the same.
+        parts = _partials(query, p.seq_hi * num_heads * p.num_splits if p.num_splits > 1 else 1,
+                          p.head_dim_pad)
+        _paged_attention_kernel[p.grid](
+            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, *parts,
+            scale * LOG2E, p.seq_lo, p.seq_hi, p.num_splits, num_heads, head_dim,
+            num_heads // num_kv_heads,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            BLOCK_SIZE=block_size, BLOCK_M=p.block_m, GROUP_PAD=p.group_pad,
+            HEAD_DIM_PAD=p.head_dim_pad, TILE_N=p.tile_n, IS_DECODE=p.is_decode,
+            DOT_PRECISION="ieee" if is_fp32 else "tf32",
+            UPCAST_DOT=_INTERPRET and query.dtype == torch.bfloat16,
+            num_warps=p.num_warps,
+        )
+        if p.num_splits > 1:
+            _reduce_splits_kernel[(p.seq_hi, num_heads)](
+                *parts, out, p.num_splits, num_heads, head_dim, out.stride(0), out.stride(1),
+                MAX_SPLITS=MAX_SPLITS, HEAD_DIM_PAD=p.head_dim_pad)
     return out
+
+
+def _partials(query: torch.Tensor, rows: int, head_dim_pad: int):
+    """fp32 ``(part_out [rows, head_dim_pad], part_max [rows], part_sum [rows])``."""
+    part_out = query.new_empty((rows, head_dim_pad), dtype=torch.float32)
+    part_max = query.new_empty((rows,), dtype=torch.float32)
+    return part_out, part_max, torch.empty_like(part_max)
 
 
 def _check_attention_args(query, k_cache, v_cache, block_tables) -> None:

@@ -1,7 +1,8 @@
-"""The kernels compile for sm_80 and sm_90 even where no GPU can run them.
+"""The kernels compile for sm_80 and sm_90 even where no GPU can run them, without register
+spills in fp16/bf16.
 
 Under the interpreter the kernels run as Python, which accepts code the compiler rejects;
-this compiles every launch configuration ``plan`` picks, in a separate process (the
+this compiles every variant the kernel tests and real models launch, in a separate process (the
 interpreter flag is fixed per process at import). On a CUDA machine the other tests
 compile and run the kernels for real, so this one is skipped there.
 """
