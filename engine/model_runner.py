@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,11 +17,13 @@ import torch
 
 import kernels
 from engine.config import EngineConfig
+from engine.cuda_memory import CudaMemory, kv_cache_bytes
 from engine.device import cpu_has_bf16_matmul, resolve_device, resolve_dtype
 from engine.loader import LoadedModel, init_dummy_weights
 from engine.models import AttentionMetadata, build_model, head_dim_of
 from engine.sampler import Sampler
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ModelRunnerOutput, SamplingRow, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
+        # Before this engine allocates anything: what is on the device is not its own.
+        cuda_start = CudaMemory.now(self.device) if self.device.type == "cuda" else None
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.backend = kernels.resolve_backend(config.attention_backend, self.device)
         # Half-precision weights on a CPU without half-precision matrix units: fp32 matmuls.
@@ -89,9 +94,11 @@ class ModelRunner:
         self.vocab_size = hf.vocab_size
         self.model = self._build_model(loaded)
         self.sampler = Sampler(self.device, config.seed)
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks = self._num_kv_blocks(cuda_start)
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
         self.kv_caches = _per_layer(self.kv_cache)
+        if self.backend == "triton" and self.device.type == "cuda":
+            self.warm_up()
 
     # ---- set-up --------------------------------------------------------------------------
 
@@ -112,12 +119,12 @@ class ModelRunner:
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, cuda_start: CudaMemory | None) -> int:
         cache = self.config.cache
         if cache.num_gpu_blocks is not None:
             return cache.num_gpu_blocks
         if self.device.type == "cuda":
-            kv_bytes = self._profile_free_cuda_bytes()
+            kv_bytes = self._profile_kv_cache_bytes(cuda_start)
         else:
             kv_bytes = cache.kv_cache_memory_gb * 2**30
         num_blocks = int(kv_bytes // self.kv_bytes_per_block())
@@ -126,43 +133,64 @@ class ModelRunner:
                              "raise kv_cache_memory_gb or gpu_memory_utilization")
         return num_blocks
 
-    def _profile_free_cuda_bytes(self) -> float:
-        """Bytes left for the KV cache after a forward at the full token budget.
-
-        ``total * gpu_memory_utilization - peak torch memory - memory held outside torch``,
-        as vLLM's worker computes it.
-        """
+    def _profile_kv_cache_bytes(self, start: CudaMemory) -> int:
+        """Bytes this engine may give its KV cache, after a forward at the full token budget
+        (``engine.cuda_memory.kv_cache_bytes``: only memory the engine itself allocated
+        counts against ``gpu_memory_utilization``)."""
+        after_weights = CudaMemory.now(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
         sched = self.config.scheduler
         num_tokens = sched.max_num_batched_tokens
         seq_len = min(num_tokens, sched.max_model_len)
-        num_seqs = kernels.cdiv(num_tokens, seq_len)
+        lens = [min(seq_len, num_tokens - first) for first in range(0, num_tokens, seq_len)]
         blocks_per_seq = kernels.cdiv(seq_len, self.block_size)
-        caches = _per_layer(self._allocate_kv_cache(num_seqs * blocks_per_seq))
-        torch.cuda.reset_peak_memory_stats()
-        self._dummy_forward(caches, num_seqs, seq_len, blocks_per_seq, num_tokens)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        caches = _per_layer(self._allocate_kv_cache(len(lens) * blocks_per_seq))
+        self._dummy_forward(caches, [(n, 0, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
+                                     for i, n in enumerate(lens)], num_logits=sched.max_num_seqs)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
         del caches
         torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        outside_torch = total - free - torch.cuda.memory_reserved()
-        return total * self.config.cache.gpu_memory_utilization - peak - outside_torch
+        return kv_cache_bytes(self.config.cache.gpu_memory_utilization, start, after_weights, peak,
+                              CudaMemory.now(self.device))
 
     @torch.inference_mode()
-    def _dummy_forward(self, caches, num_seqs, seq_len, blocks_per_seq, num_tokens) -> None:
-        lens = [min(seq_len, num_tokens - i * seq_len) for i in range(num_seqs)]
-        tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32).view(num_seqs, -1)
-        positions = torch.cat([torch.arange(n) for n in lens])
-        slots = torch.cat([tables[i].long().repeat_interleave(self.block_size)[:n] * self.block_size
-                           + torch.arange(n) % self.block_size for i, n in enumerate(lens)])
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(self.device), block_tables=tables.to(self.device),
-            query_start_loc=torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32,
-                                         device=self.device),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device), backend=self.backend)
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, positions.to(self.device), caches, meta)
-        self.model.compute_logits(hidden[: self.config.scheduler.max_num_seqs])
+    def warm_up(self) -> None:
+        """Compile every Triton variant serving will launch now, not during the first requests.
+
+        One forward over a decode whose block table is as wide as ``max_model_len`` allows
+        (so it takes the most key-range splits: the split path and its reduce kernel) next to
+        a two-token prefill covers the decode, prefill and reduce kernels, whose other
+        arguments do not change the compiled variant (``kernels.triton_paged_attention``).
+        It writes K/V into blocks 0 and 1 and zeroes them after. Call after the memory
+        profile, whose forward at the full token budget compiles only the prefill variant.
+        """
+        start = time.perf_counter()
+        width = kernels.cdiv(self.config.scheduler.max_model_len, self.block_size)
+        last = min(1, self.num_blocks - 1)
+        self._dummy_forward(self.kv_caches, [(1, 1, [0] * width), (2, 0, [last])], num_logits=2)
+        self.kv_cache[:, :, :last + 1].zero_()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info("attention kernels warmed up in %.1f s", time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def _dummy_forward(self, caches, seqs: list[tuple[int, int, list[int]]], num_logits: int) -> None:
+        """A forward over token id 0 through the serving path (``prepare_inputs``).
+
+        Args:
+            caches: per-layer ``(k_cache, v_cache)``.
+            seqs: per sequence ``(query_len, num_computed_tokens, block_table)``.
+            num_logits: rows of logits to compute (the sampler's largest batch).
+        """
+        row = SamplingRow(SamplingParams(), prompt_token_ids=[], output_token_ids=[])
+        output = SchedulerOutput(scheduled=[
+            ScheduledRequest(seq_id=str(i), token_ids=[0] * query_len, num_computed_tokens=computed,
+                             block_table=table, do_sample=False, num_samples=0, sampling_row=row)
+            for i, (query_len, computed, table) in enumerate(seqs)])
+        batch = self.prepare_inputs(output)
+        hidden = self.model(batch.input_ids, batch.positions, caches, batch.meta)
+        self.model.compute_logits(hidden[:num_logits])
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``, zeroed
@@ -201,34 +229,71 @@ class ModelRunner:
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> BatchInputs:
         """Build the flattened batch tensors of DESIGN.md from a ``SchedulerOutput``."""
-        scheduled = scheduler_output.scheduled
-        bs = self.block_size
-        query_lens = np.array([len(s.token_ids) for s in scheduled], dtype=np.int64)
-        query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        seq_lens = np.array([s.num_computed_tokens for s in scheduled], dtype=np.int64) + query_lens
-        max_blocks = max(len(s.block_table) for s in scheduled)
-        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-        for i, s in enumerate(scheduled):
-            block_tables[i, : len(s.block_table)] = s.block_table
-        # positions: each sequence's [num_computed_tokens, seq_len)
-        seq_index = np.repeat(np.arange(len(scheduled)), query_lens)
-        positions = np.arange(int(query_start_loc[-1])) - query_start_loc[seq_index] \
-            + (seq_lens - query_lens)[seq_index]
-        slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-        input_ids = np.fromiter((t for s in scheduled for t in s.token_ids), dtype=np.int64,
-                                count=int(query_start_loc[-1]))
-        sample_rows = [i for i, s in enumerate(scheduled) if s.do_sample]
+        host = build_host_batch(scheduler_output.scheduled, self.block_size)
         to = self._to_device
-        meta = AttentionMetadata(slot_mapping=to(slot_mapping), block_tables=to(block_tables),
-                                 query_start_loc=to(query_start_loc.astype(np.int32)),
-                                 seq_lens=to(seq_lens.astype(np.int32)), backend=self.backend)
-        return BatchInputs(input_ids=to(input_ids), positions=to(positions), meta=meta,
-                           logits_indices=to(query_start_loc[1:][sample_rows] - 1),
-                           sample_rows=sample_rows)
+        # The torch reference reads query_start_loc, seq_lens and slot_mapping on the host:
+        # from host memory that is free, from the device a sync in every layer.
+        host_to = torch.from_numpy if self.backend == "torch" else to
+        meta = AttentionMetadata(slot_mapping=host_to(host.slot_mapping),
+                                 block_tables=to(host.block_tables),
+                                 query_start_loc=host_to(host.query_start_loc),
+                                 seq_lens=host_to(host.seq_lens), backend=self.backend,
+                                 num_decodes=host.num_decodes)
+        return BatchInputs(input_ids=to(host.input_ids), positions=to(host.positions), meta=meta,
+                           logits_indices=to(host.logits_indices), sample_rows=host.sample_rows)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+
+@dataclass(slots=True)
+class HostBatch:
+    """A step's batch as host arrays, sequences reordered decodes first.
+
+    Sequences with a query of one token (decodes) come first, the others (prefill chunks)
+    after, each kind in scheduling order, so that the attention kernels can launch each kind
+    with its own tiling (``kernels.triton_paged_attention``).
+    """
+
+    input_ids: np.ndarray        # [num_tokens] int64
+    positions: np.ndarray        # [num_tokens] int64
+    slot_mapping: np.ndarray     # [num_tokens] int64
+    block_tables: np.ndarray     # [num_seqs, max_blocks] int32, zero-padded
+    query_start_loc: np.ndarray  # [num_seqs + 1] int32
+    seq_lens: np.ndarray         # [num_seqs] int32
+    num_decodes: int             # leading sequences whose query is one token
+    logits_indices: np.ndarray   # [len(sample_rows)] int64: last token of each sampling row
+    sample_rows: list[int]       # indices into SchedulerOutput.scheduled, in its order
+
+
+def build_host_batch(scheduled: list[ScheduledRequest], block_size: int) -> HostBatch:
+    """The flattened batch of DESIGN.md ("One step") for ``scheduled``, decodes first."""
+    is_prefill = np.array([len(s.token_ids) != 1 for s in scheduled])
+    order = np.argsort(is_prefill, kind="stable")
+    batch = [scheduled[i] for i in order]
+    query_lens = np.array([len(s.token_ids) for s in batch], dtype=np.int64)
+    query_start_loc = np.zeros(len(batch) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    seq_lens = np.array([s.num_computed_tokens for s in batch], dtype=np.int64) + query_lens
+    block_tables = np.zeros((len(batch), max(len(s.block_table) for s in batch)), dtype=np.int32)
+    for i, s in enumerate(batch):
+        block_tables[i, : len(s.block_table)] = s.block_table
+    # positions: each sequence's [num_computed_tokens, seq_len)
+    seq_index = np.repeat(np.arange(len(batch)), query_lens)
+    positions = np.arange(int(query_start_loc[-1])) - query_start_loc[seq_index] \
+        + (seq_lens - query_lens)[seq_index]
+    slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
+                    + positions % block_size)
+    input_ids = np.fromiter((t for s in batch for t in s.token_ids), dtype=np.int64,
+                            count=int(query_start_loc[-1]))
+    sample_rows = [i for i, s in enumerate(scheduled) if s.do_sample]
+    batch_row = np.empty(len(order), dtype=np.int64)
+    batch_row[order] = np.arange(len(order))  # scheduled index -> row in the batch
+    return HostBatch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                     block_tables=block_tables, query_start_loc=query_start_loc.astype(np.int32),
+                     seq_lens=seq_lens.astype(np.int32), num_decodes=int((~is_prefill).sum()),
+                     logits_indices=query_start_loc[1:][batch_row[sample_rows]] - 1,
+                     sample_rows=sample_rows)
 
 
 def _per_layer(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -32,13 +32,19 @@ def store_kv(
         k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         slot_mapping: ``[num_tokens]``, int64 flat slot per token; a slot of -1 is skipped
-            (a padding token that owns no slot).
+            (a padding token that owns no slot). May be in host memory with the caches on
+            a GPU (the engine passes it so for this backend): it is then read on the host
+            and copied over without waiting for the device.
     """
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = key[keep]
-    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = value[keep]
+    if not keep.all():  # from host memory a free check; from the device a sync (tests only)
+        slot_mapping = slot_mapping[keep]
+        keep = keep.to(key.device, non_blocking=True)
+        key, value = key[keep], value[keep]
+    slots = slot_mapping.to(k_cache.device, non_blocking=True)
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = key
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = value
 
 
 def paged_attention(
@@ -71,8 +77,10 @@ def paged_attention(
             last block are ignored (any value, -1 included), as are cache slots past its
             length (any value, NaN included).
         query_start_loc: ``[num_seqs + 1]``, int32, cumulative query lengths starting at 0.
+            Read on the host (``.tolist()``): where it is in device memory, every call waits
+            for the device; the engine passes host copies for this backend.
         seq_lens: ``[num_seqs]``, int32, each sequence's total length including its new
-            tokens.
+            tokens; read like ``query_start_loc``.
         scale: the softmax scale, usually ``head_dim ** -0.5``.
 
     Returns:
@@ -109,27 +117,36 @@ def prefill_attention(query, k_cache, v_cache, block_tables, starts: list[int], 
 
 
 def _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, rows, scale, out) -> None:
-    """Query-length-1 sequences ``rows`` at once, over K/V padded to the longest of them."""
+    """Query-length-1 sequences ``rows`` at once, over K/V padded to the longest of them.
+
+    Every index is built on the host from ``starts``/``lens`` and copied without waiting, so
+    on a GPU this queues work and never waits for it (no ``nonzero``, no ``.item()``).
+    """
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     device = query.device
     max_blocks = cdiv(max(lens[i] for i in rows), block_size)
-    rows_t = torch.tensor(rows, device=device)
-    tables = block_tables[rows_t, :max_blocks].long().clamp_(0, num_blocks - 1).flatten()
+    tables = block_tables[_to(rows, device), :max_blocks].long().clamp_(0, num_blocks - 1).flatten()
     padded_len = max_blocks * block_size
     # k, v: [num_rows, padded_len, num_kv_heads, head_dim]
     k = k_cache.index_select(0, tables).view(len(rows), padded_len, num_kv_heads, head_dim)
     v = v_cache.index_select(0, tables).view(len(rows), padded_len, num_kv_heads, head_dim)
-    seq_lens = torch.tensor([lens[i] for i in rows], device=device)
-    valid = torch.arange(padded_len, device=device)[None, :] < seq_lens[:, None]
+    row_lens = [lens[i] for i in rows]
+    valid = torch.arange(padded_len, device=device)[None, :] < _to(row_lens, device)[:, None]
     # A slot past a sequence's end may hold anything, NaN included, and a mask cannot hide
     # NaN (NaN - inf and 0 * NaN are NaN): zero the padding rows.
-    padding = (~valid).flatten().nonzero().squeeze(1)
+    padding = _to([r * padded_len + p for r, n in enumerate(row_lens) for p in range(n, padded_len)],
+                  device)
     k.view(-1, num_kv_heads * head_dim).index_fill_(0, padding, 0)
     v.view(-1, num_kv_heads * head_dim).index_fill_(0, padding, 0)
-    token_index = torch.tensor([starts[i] for i in rows], device=device)
+    token_index = _to([starts[i] for i in rows], device)
     q = query[token_index][:, :, None]  # [num_rows, num_heads, 1, head_dim]
     o = _sdpa(q, k.transpose(1, 2), v.transpose(1, 2), valid[:, None, None, :], scale)
     out[token_index] = o[:, :, 0]
+
+
+def _to(values: list[int], device) -> torch.Tensor:
+    """An int64 tensor of host ints on ``device``, copied without blocking the host."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _sdpa(q, k, v, allowed, scale) -> torch.Tensor:

@@ -21,11 +21,16 @@ class AttentionMetadata:
     """Where each token of the step reads and writes the paged KV cache.
 
     Attributes:
-        slot_mapping: ``[num_tokens]`` int64, flat cache slot of each new token's K/V.
-        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32.
-        query_start_loc: ``[num_seqs + 1]`` int32, cumulative query lengths.
-        seq_lens: ``[num_seqs]`` int32, tokens per sequence including this step's.
-        backend: ``"torch"`` or ``"triton"``, see ``kernels``.
+        slot_mapping: ``[num_tokens]`` int64, flat cache slot of each new token's K/V; in
+            host memory for the ``"torch"`` backend (which reads it on the host), else on
+            the device.
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32, on the device.
+        query_start_loc: ``[num_seqs + 1]`` int32, cumulative query lengths; placed as
+            ``slot_mapping``.
+        seq_lens: ``[num_seqs]`` int32, tokens per sequence including this step's; placed
+            as ``slot_mapping``.
+        backend: ``"torch"``, ``"cpu"`` or ``"triton"``, see ``kernels``.
+        num_decodes: the first ``num_decodes`` sequences have a one-token query (host int).
     """
 
     slot_mapping: torch.Tensor
@@ -33,6 +38,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     backend: str
+    num_decodes: int = 0
 
 
 class Linear(nn.Linear):
@@ -153,7 +159,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
         o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                    meta.seq_lens, self.scale, backend=meta.backend)
+                                    meta.seq_lens, self.scale, backend=meta.backend,
+                                    num_decodes=meta.num_decodes)
         return self.o_proj(o.view(num_tokens, q_size))
 
 

@@ -23,12 +23,14 @@ def _generate(model: str, backend: str, scale_attention: float = 1.0) -> list[li
 def _make_attention_matter(model, scale_attention: float) -> None:
     """Dummy N(0, 0.02) weights leave attention too weak to move the argmax; N(0, 0.3)
     projections make every token depend on its context (seeded: both backends get the
-    same weights). ``scale_attention`` perturbs the softmax scale, for the control test."""
+    same weights). They are drawn on the CPU and copied, so a model on a GPU gets the same
+    values (a CPU generator cannot fill a CUDA tensor in place). ``scale_attention``
+    perturbs the softmax scale, for the control test."""
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("proj.weight"):
-                param.normal_(0.0, 0.3, generator=generator)
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.3)
     for layer in model.layers:
         layer.self_attn.scale *= scale_attention
 

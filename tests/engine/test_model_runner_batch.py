@@ -1,0 +1,80 @@
+"""The runner's host-side batch: decodes first with ``num_decodes``, logits rows mapped back
+to scheduling order, metadata placed where each attention backend reads it; and the device
+and dtype choices that depend on the GPU."""
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.device import resolve_dtype
+from engine.model_runner import build_host_batch
+from engine.scheduler_output import SamplingRow, ScheduledRequest, SchedulerOutput
+
+
+def _scheduled(seq_id, token_ids, num_computed, block_table, do_sample=True):
+    return ScheduledRequest(seq_id=seq_id, token_ids=token_ids, num_computed_tokens=num_computed,
+                            block_table=block_table, do_sample=do_sample, num_samples=int(do_sample),
+                            sampling_row=SamplingRow(SamplingParams(), [], []))
+
+
+# Scheduling order: a prefill chunk, a decode, a mid-prompt chunk (no sample), a decode.
+STEP = [_scheduled("a", [11, 12, 13], 0, [4]), _scheduled("b", [21], 17, [0, 1]),
+        _scheduled("c", [31, 32], 4, [2], do_sample=False), _scheduled("d", [41], 3, [3])]
+
+
+def test_decodes_come_first_and_logits_map_back():
+    batch = build_host_batch(STEP, block_size=16)
+    assert batch.num_decodes == 2
+    # batch order: b, d (decodes), then a, c (prefill chunks) in scheduling order
+    assert batch.input_ids.tolist() == [21, 41, 11, 12, 13, 31, 32]
+    assert batch.query_start_loc.tolist() == [0, 1, 2, 5, 7]
+    assert batch.seq_lens.tolist() == [18, 4, 3, 6]
+    assert batch.positions.tolist() == [17, 3, 0, 1, 2, 4, 5]
+    assert batch.slot_mapping.tolist() == [1 * 16 + 1, 3 * 16 + 3, 64, 65, 66, 36, 37]
+    assert batch.block_tables.tolist() == [[0, 1], [3, 0], [4, 0], [2, 0]]
+    # sample rows stay in scheduling order (a, b, d); each points at its last token
+    assert batch.sample_rows == [0, 1, 3]
+    assert batch.logits_indices.tolist() == [4, 0, 1]
+    assert batch.query_start_loc.dtype == np.int32 and batch.seq_lens.dtype == np.int32
+
+
+@pytest.mark.parametrize("backend,host_side", [("torch", True), ("triton", False), ("cpu", False)])
+def test_metadata_placement_per_backend(backend, host_side):
+    """The torch reference reads query_start_loc, seq_lens and slot_mapping on the host; they
+    stay in host memory for it (reading them from a GPU would sync every layer). ``to_device``
+    is redirected to the data-less ``meta`` device to tell the two apart on a CPU."""
+    if backend == "cpu":
+        pytest.importorskip("kernels.cpu_attention")
+    llm = LLM(model="dummy:tiny-llama", dtype="float32", attention_backend=backend,
+              num_gpu_blocks=8, max_num_batched_tokens=32, max_num_seqs=4)
+    runner = llm.llm_engine.model_runner
+    runner._to_device = lambda array: torch.from_numpy(array).to("meta")
+    inputs = runner.prepare_inputs(SchedulerOutput(scheduled=STEP))
+    meta = inputs.meta
+    assert meta.num_decodes == 2 and meta.block_tables.device.type == "meta"
+    assert inputs.input_ids.device.type == "meta" and inputs.logits_indices.device.type == "meta"
+    placed = {t.device.type for t in (meta.query_start_loc, meta.seq_lens, meta.slot_mapping)}
+    assert placed == ({"cpu"} if host_side else {"meta"})
+
+
+def test_greedy_tokens_do_not_depend_on_batch_order():
+    """Decodes reordered ahead of prefill chunks: each request's greedy tokens equal those
+    it gets alone."""
+    llm = LLM(model="dummy:tiny-llama", dtype="float32", attention_backend="torch",
+              num_gpu_blocks=64, max_num_batched_tokens=24, max_num_seqs=4)
+    prompts = [list(range(5, 45)), [3], list(range(50, 60)), list(range(70, 100))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert together == alone
+
+
+@pytest.mark.parametrize("capability,expected", [((7, 0), torch.float16), ((7, 5), torch.float16),
+                                                 ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
+def test_auto_dtype_by_compute_capability(monkeypatch, capability, expected):
+    """fp16 before Ampere, where bf16 is only emulated even though
+    ``torch.cuda.is_bf16_supported()`` says yes; bf16 from sm_80 on."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == expected
+    assert resolve_dtype("float32", torch.device("cuda", 0)) == torch.float32
