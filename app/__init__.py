@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
+import ray
 from ray import serve
 from ray.serve import Application
 
@@ -28,16 +28,41 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         pydantic.ValidationError: naming any unknown or invalid setting.
     """
     config = AppConfig.load(args)
-    on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    actor_options = {"num_gpus": 1} if on_gpu else {"num_cpus": config.engine_num_cpus}
     engine = serve.deployment(EngineServer).options(
         name="EngineServer", num_replicas=config.num_engine_replicas,
-        ray_actor_options=actor_options, max_ongoing_requests=config.max_ongoing_requests,
+        ray_actor_options=engine_actor_options(config),
+        max_ongoing_requests=config.max_ongoing_requests,
         health_check_period_s=5, health_check_timeout_s=30)
     ingress = OpenAIIngress.options(
         num_replicas=config.num_ingress_replicas, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=config.max_ongoing_requests * config.num_engine_replicas)
     return ingress.bind(engine.bind(config), config)
+
+
+def engine_actor_options(config: AppConfig) -> dict:
+    """Ray resources of one engine replica: one GPU (``engine_wants_gpu``), else
+    ``engine_num_cpus`` CPUs."""
+    return {"num_gpus": 1} if engine_wants_gpu(config.device) else {"num_cpus": config.engine_num_cpus}
+
+
+def engine_wants_gpu(device: str) -> bool:
+    """Whether engine replicas ask Ray for a GPU.
+
+    ``cuda``: yes; ``cpu``: no; ``auto``: when the Ray cluster has a GPU on any node, read
+    from the cluster where this process is connected to it (a Serve config file's
+    application is built inside the cluster: ``serve run/deploy ray_configs/*.yaml``), so a
+    CPU-only head with GPU workers still places engines on GPUs. ``serve run
+    app:deployment`` imports this module before it connects to Ray; there ``auto`` asks
+    this machine's torch. Each replica then resolves ``auto`` from the GPU Ray gave it
+    (``app.engine_server.replica_device``).
+    """
+    if device != "auto":
+        return device == "cuda"
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) >= 1
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @functools.cache
@@ -50,4 +75,4 @@ def __getattr__(name: str):
         return _default_deployment()
     raise AttributeError(f"module 'app' has no attribute {name!r}")
 
-__all__ = ["AppConfig", "build_app", "deployment"]
+__all__ = ["AppConfig", "build_app", "deployment", "engine_actor_options", "engine_wants_gpu"]

@@ -1,12 +1,14 @@
 """The engine deployment: one ``AsyncLLM`` per replica, streaming plain-dict outputs."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 import uuid
 from typing import AsyncIterator
 
+import ray
 from ray import serve
 
 from app.config import AppConfig
@@ -23,6 +25,19 @@ _STATS_PERIOD_S = 1.0
 _MIN_LOGPROB = -9999.0  # JSON has no -inf: a masked token's logprob is reported as this (vLLM's)
 
 
+def replica_device(device: str) -> str:
+    """The device an engine replica runs on, decided in the replica's own process.
+
+    ``auto`` in a Ray worker: ``cuda`` when Ray assigned this replica a GPU, else ``cpu``
+    (a replica without one must not use a GPU it happens to see: with ``num_gpus=0`` Ray
+    leaves ``CUDA_VISIBLE_DEVICES`` as it is, so torch would see GPUs other replicas own).
+    Outside Ray, and for ``cpu``/``cuda``: unchanged.
+    """
+    if device == "auto" and ray.is_initialized():
+        return "cuda" if ray.get_gpu_ids() else "cpu"
+    return device
+
+
 class EngineServer:
     """Holds the model and its step loop; the ingress calls ``generate`` with a streaming
     handle. Everything crossing the Ray boundary is plain data.
@@ -33,7 +48,9 @@ class EngineServer:
 
     def __init__(self, config: AppConfig) -> None:
         self.config = config
-        self.llm = AsyncLLM(config=config.engine_config())
+        engine_config = config.engine_config()
+        engine_config = dataclasses.replace(engine_config, device=replica_device(config.device))
+        self.llm = AsyncLLM(config=engine_config)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside Serve (tests): any unique name will do

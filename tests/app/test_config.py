@@ -20,3 +20,41 @@ def test_unknown_and_invalid_settings_name_the_field():
         AppConfig.load({"max_num_seq": 4})
     with pytest.raises(ValidationError, match="gpu_memory_utilization"):
         AppConfig.load({"gpu_memory_utilization": 1.5})
+
+
+@pytest.mark.parametrize("device,cluster_gpus,expected", [
+    ("auto", 8.0, True), ("auto", 0.0, False), ("cuda", 0.0, True), ("cpu", 8.0, False)])
+def test_engine_placement_follows_the_ray_cluster(monkeypatch, device, cluster_gpus, expected):
+    """``auto`` asks the cluster Ray is connected to (GPU workers behind a CPU-only head),
+    not the process that builds the app."""
+    import ray
+
+    import app
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": cluster_gpus})
+    monkeypatch.setattr("torch.cuda.is_available", lambda: not expected)  # must not decide
+    assert app.engine_wants_gpu(device) is expected
+    options = app.engine_actor_options(AppConfig.load({"device": device, "engine_num_cpus": 2}))
+    assert options == ({"num_gpus": 1} if expected else {"num_cpus": 2})
+
+
+@pytest.mark.parametrize("device,gpu_ids,expected", [
+    ("auto", [0], "cuda"), ("auto", [], "cpu"), ("cuda", [], "cuda"), ("cpu", [3], "cpu")])
+def test_replica_resolves_auto_from_its_assigned_gpu(monkeypatch, device, gpu_ids, expected):
+    import ray
+
+    from app.engine_server import replica_device
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: gpu_ids)
+    assert replica_device(device) == expected
+
+
+def test_outside_ray_auto_is_left_to_the_engine(monkeypatch):
+    import ray
+
+    from app.engine_server import replica_device
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert replica_device("auto") == "auto"
