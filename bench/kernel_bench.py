@@ -1,4 +1,4 @@
-"""Decode paged-attention benchmark on CUDA, and the merge step of ``bench/gpu_check.sh``.
+"""Decode paged-attention benchmark on CUDA: Triton against gather-then-SDPA, in GB/s.
 
 ``bench`` times one decode step of attention (one query token per sequence) with
 Qwen2.5-7B's attention shape (28 query heads, 4 KV heads, head_dim 128, bf16, block_size 16,
@@ -14,17 +14,15 @@ Times are medians of CUDA-event pairs around single calls, after a few warmup ca
 the L2 cache flushed before each call; host launch overhead is included, so the smallest
 combinations measure the launch path, as the engine sees it, not the memory system.
 
-``merge`` folds the parts ``gpu_check.sh`` wrote into one JSON file.
+It is one part of ``bench/gpu_check.sh``.
 
 Usage::
 
     python bench/kernel_bench.py bench --json-out FILE
-    python bench/kernel_bench.py merge --dir PARTS_DIR --out FILE
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
@@ -35,7 +33,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BATCHES = (1, 4, 16, 64, 256)
 CONTEXTS = (512, 2048, 8192)
-ENGINE_BACKENDS = ("triton", "torch")
 MEMORY_HEADROOM = 0.8  # use at most this share of free device memory for one combination
 
 
@@ -111,66 +108,6 @@ def format_table(rows: list[dict]) -> str:
                      f"{r['gather_sdpa_ms']:>10.4f} {r['gather_sdpa_gbps']:>7.0f} "
                      f"{r['gather_sdpa_of_copy']:>7.2f}")
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------- merge
-
-
-def _read_text(path: Path) -> str | None:
-    return path.read_text(errors="replace") if path.exists() else None
-
-
-def _read_rc(path: Path) -> int | None:
-    text = _read_text(path)
-    return int(text.strip()) if text and text.strip().lstrip("-").isdigit() else None
-
-
-def _tail(text: str | None, lines: int = 30) -> str | None:
-    return None if text is None else "\n".join(text.rstrip().splitlines()[-lines:])
-
-
-def _status(rc: int | None) -> str:
-    if rc is None:
-        return "not run"
-    return {0: "ok", 124: "timed out"}.get(rc, f"failed (exit {rc})")
-
-
-def read_tests(parts: Path) -> dict:
-    """pytest's exit status and summary line; the log's tail when it did not pass."""
-    rc = _read_rc(parts / "pytest.rc")
-    log = _read_text(parts / "pytest.log")
-    result = {"status": _status(rc), "rc": rc, "summary": _tail(log, 1)}
-    if rc != 0:
-        result["log_tail"] = _tail(log)
-    return result
-
-
-def read_json_part(parts: Path, name: str) -> dict:
-    """A part's JSON output with its status, or its status and log tail when it has none."""
-    rc = _read_rc(parts / f"{name}.rc")
-    result = {"status": _status(rc), "rc": rc}
-    text = _read_text(parts / f"{name}.json")
-    try:
-        result.update(json.loads(text) if text else {})
-    except json.JSONDecodeError as e:
-        result["json_error"] = str(e)
-    if rc != 0 or not text:
-        result["log_tail"] = _tail(_read_text(parts / f"{name}.log"))
-    return result
-
-
-def merge_results(parts: Path, date: str) -> dict:
-    """Everything ``gpu_check.sh`` produced under ``parts``, as one JSON-able dict."""
-    engine = {b: read_json_part(parts, f"engine_{b}") for b in ENGINE_BACKENDS}
-    rates = [engine[b].get("output_tokens_per_s") for b in ENGINE_BACKENDS]
-    if all(isinstance(r, (int, float)) and r > 0 for r in rates):
-        engine["triton_over_torch"] = round(rates[0] / rates[1], 3)
-    return {
-        "date": date,
-        "tests": read_tests(parts),
-        "kernel_bench": read_json_part(parts, "kernel_bench"),
-        "engine": engine,
-    }
 
 
 # ---------------------------------------------------------------------------- CUDA part
@@ -255,7 +192,7 @@ def bench_combo(batch: int, context: int, shape: AttentionShape, copy_gbps: floa
     inputs = make_decode_inputs(batch, context, shape)
     args = [inputs[k] for k in ("query", "k_cache", "v_cache", "block_tables",
                                 "query_start_loc", "seq_lens", "scale")]
-    triton_fn = lambda: kernels.paged_attention(*args, backend="triton")  # noqa: E731
+    triton_fn = lambda: kernels.paged_attention(*args, backend="triton", num_decodes=batch)  # noqa: E731
     gather_fn = lambda: gather_sdpa_decode(inputs, context, shape)  # noqa: E731
     max_diff = (triton_fn().float() - gather_fn().float()).abs().max().item()
     row = bench_row(batch, context, shape, copy_gbps,
@@ -298,23 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="time decode attention (needs CUDA)")
     bench.add_argument("--json-out", type=Path, required=True)
-    merge = sub.add_parser("merge", help="merge gpu_check.sh parts into one JSON file")
-    merge.add_argument("--dir", type=Path, required=True)
-    merge.add_argument("--out", type=Path, required=True)
-    merge.add_argument("--date", default=datetime.date.today().isoformat())
     args = parser.parse_args(argv)
 
-    if args.command == "merge":
-        result = merge_results(args.dir, args.date)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
-        return 0
     import torch
 
     if not torch.cuda.is_available():
-        print("kernel_bench: needs a CUDA GPU; nothing to do.")
-        return 0
+        print("kernel_bench: FAILED: needs a CUDA GPU (torch.cuda.is_available() is false)",
+              file=sys.stderr)
+        return 2
     sys.path.insert(0, str(REPO))  # run as a script: make `kernels` importable
     result = run_bench()
     print(f"device-to-device copy: {result['copy_gbps']:.0f} GB/s on {result['device']}")

@@ -1,6 +1,5 @@
-"""The non-GPU logic of ``bench/kernel_bench.py``: byte accounting, skipping, merging."""
+"""The non-GPU logic of ``bench/kernel_bench.py``: byte accounting, skipping, the table."""
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
@@ -43,35 +42,6 @@ def test_bench_row_reports_bandwidth_and_share_of_copy():
         {**row, "gather_sdpa_ms": 0.02, "gather_sdpa_gbps": 52.6, "gather_sdpa_of_copy": 0.05},
         {"batch": 256, "context": 8192, "skipped": "needs 8.1 GiB, 4.0 GiB free"}])
     assert "skipped: needs 8.1 GiB" in table and len(table.splitlines()) == 3
-
-
-def test_merge_results_records_every_part(tmp_path):
-    (tmp_path / "pytest.rc").write_text("0\n")
-    (tmp_path / "pytest.log").write_text("....\n57 passed in 40.1s\n")
-    (tmp_path / "kernel_bench.rc").write_text("124\n")
-    (tmp_path / "kernel_bench.log").write_text("1 512 ...\n")
-    for backend, rate in (("triton", 300.0), ("torch", 200.0)):
-        (tmp_path / f"engine_{backend}.rc").write_text("0\n")
-        (tmp_path / f"engine_{backend}.json").write_text(json.dumps(
-            {"requests": 64, "output_tokens": 9000, "seconds": 1.0, "output_tokens_per_s": rate}))
-
-    merged = kb.merge_results(tmp_path, "2025-01-01")
-
-    assert merged["date"] == "2025-01-01"
-    assert merged["tests"] == {"status": "ok", "rc": 0, "summary": "57 passed in 40.1s"}
-    assert merged["kernel_bench"]["status"] == "timed out"
-    assert merged["kernel_bench"]["log_tail"] == "1 512 ..."
-    assert merged["engine"]["triton"]["output_tokens_per_s"] == 300.0
-    assert merged["engine"]["triton_over_torch"] == 1.5
-
-
-def test_merge_cli_with_missing_parts(tmp_path):
-    out = tmp_path / "results" / "gpu_check.json"
-    assert kb.main(["merge", "--dir", str(tmp_path), "--out", str(out), "--date", "2025-01-01"]) == 0
-    merged = json.loads(out.read_text())
-    assert merged["tests"]["status"] == "not run"
-    assert merged["engine"]["torch"]["status"] == "not run"
-    assert "triton_over_torch" not in merged["engine"]
 
 
 def test_gather_sdpa_baseline_matches_reference():
