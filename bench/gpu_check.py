@@ -35,7 +35,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
@@ -47,7 +46,7 @@ APP_ONLY_PACKAGES = ("ray", "fastapi", "pydantic", "gguf")
 # The Triton kernel tests and the tests that need CUDA, run on the GPU by the ``tests`` part.
 GPU_TESTS = ("tests/kernels/test_triton_paged_attention.py", "tests/kernels/test_triton_store_kv.py",
              "tests/kernels/test_attention_dispatch_sdpa.py",
-             "tests/kernels/test_engine_triton_backend.py", "tests/engine/test_cuda.py")
+             "tests/engine/test_engine_triton_backend.py", "tests/engine/test_cuda.py")
 MODEL = "dummy:qwen2.5-7b"
 ACCURACY_SHAPES = {"qwen2.5-7b": (28, 4, 128), "llama-3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 # (seq_len, query_len), decodes first: two 4k-token decodes (split), short decodes, a chunk
@@ -62,11 +61,11 @@ PARTS = ("env", "tests", "accuracy", "kernel_bench", "engine_triton", "engine_to
 def run_env(dry_run: bool) -> dict:
     """Versions, the device, and the import check (no application-only package loaded)."""
     import torch
-
-    import engine.llm_engine  # noqa: F401 - what the engine part imports
-    import kernels.triton_paged_attention  # noqa: F401
-    import triton
     import transformers
+    import triton
+
+    import engine.llm  # noqa: F401 - what the engine part imports
+    import kernels.triton_paged_attention  # noqa: F401
 
     result = {"python": platform.python_version(), "torch": torch.__version__,
               "torch_cuda": torch.version.cuda, "triton": triton.__version__,
@@ -93,7 +92,7 @@ def run_env(dry_run: bool) -> dict:
 # ---------------------------------------------------------------------------- tests
 
 
-def run_tests(dry_run: bool, junit: Optional[Path]) -> int:
+def run_tests(dry_run: bool, junit: Path | None) -> int:
     """pytest over ``GPU_TESTS`` (only collected in a dry run); pytest's exit status."""
     import pytest
 
@@ -240,14 +239,14 @@ def run_engine(backend: str, dry_run: bool) -> dict:
     result = {"model": MODEL, "backend": backend, "workload": workload["name"],
               "requests": len(workload["requests"]), "dry_run": dry_run}
     if dry_run:
-        from engine.llm_engine import LLM  # noqa: F401 - the imports of a real run
+        from engine.llm import LLM  # noqa: F401 - the imports of a real run
         return result
     # Cold means cold: no kernels from Triton's disk cache (set before triton is imported).
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpu-check-triton-")
     import torch
-
-    from engine.llm_engine import LLM
     from kernel_bench import copy_bandwidth_gbps
+
+    from engine.llm import LLM
     from kernels.triton_launches import compiled_variant_counts
 
     start = time.perf_counter()
@@ -277,11 +276,11 @@ def run_engine(backend: str, dry_run: bool) -> dict:
 # ---------------------------------------------------------------------------- merge
 
 
-def _read(path: Path) -> Optional[str]:
+def _read(path: Path) -> str | None:
     return path.read_text(errors="replace") if path.exists() else None
 
 
-def _tail(text: Optional[str], lines: int = 30) -> Optional[str]:
+def _tail(text: str | None, lines: int = 30) -> str | None:
     return None if text is None else "\n".join(text.rstrip().splitlines()[-lines:])
 
 
@@ -317,7 +316,7 @@ def merge(parts: Path, date: str) -> dict:
 # ---------------------------------------------------------------------------- CLI
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("env", "accuracy", "engine"):

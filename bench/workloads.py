@@ -14,7 +14,6 @@ import argparse
 import json
 import random
 from pathlib import Path
-from typing import Optional
 
 TOKEN_RANGE = (100, 49000)  # inside SmolLM2's 49,152-token vocabulary
 
@@ -69,7 +68,7 @@ def make_workload(name: str) -> dict:
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(NAMES)}")
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("name", choices=NAMES)
     parser.add_argument("--out", type=Path, required=True)

@@ -119,8 +119,8 @@ def compile_launch(launch: Launch, arch: int) -> Any:
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound_args, specialization, _ = binder(*launch.args, **launch.kwargs)
     names = [p.name for p in fn.params]
-    signature = {n: spec[0] for n, spec in zip(names, specialization)}
-    constexprs = {(i,): value for i, (value, spec) in enumerate(zip(bound_args.values(), specialization))
+    signature = {n: spec[0] for n, spec in zip(names, specialization, strict=True)}
+    constexprs = {(i,): value for i, (value, spec) in enumerate(zip(bound_args.values(), specialization, strict=True))
                   if spec[0] == "constexpr"}
     attrs = {(i,): backend.parse_attr(spec[1]) for i, spec in enumerate(specialization)
              if spec[0] != "constexpr" and isinstance(spec[1], str)}

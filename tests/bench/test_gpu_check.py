@@ -24,6 +24,7 @@ def _run(python, code: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+@pytest.mark.e2e
 def test_the_stack_has_no_application_packages(stack_python):
     """Control: the venv really lacks what the GPU machine lacks."""
     for name in gpu_stack.ABSENT:
@@ -31,6 +32,7 @@ def test_the_stack_has_no_application_packages(stack_python):
         assert result.returncode != 0 and "ModuleNotFoundError" in result.stderr, name
 
 
+@pytest.mark.e2e
 def test_engine_and_kernels_import_and_generate_in_the_gpu_stack(stack_python):
     result = _run(stack_python, """
 import sys
@@ -45,6 +47,8 @@ print(len(out[0].outputs[0].token_ids), sorted(m for m in ("ray", "fastapi", "py
     assert result.stdout.strip().splitlines()[-1] == "4 []"
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_dry_run_in_the_gpu_stack(stack_python, tmp_path):
     env = {**os.environ, "GPU_CHECK_PYTHON": str(stack_python), "PYTHONNOUSERSITE": "1"}
     env.pop("OUT", None)
@@ -63,6 +67,7 @@ def test_dry_run_in_the_gpu_stack(stack_python, tmp_path):
     assert (tmp_path / "gpu_check-parts" / "tests.log").is_file()
 
 
+@pytest.mark.e2e
 def test_without_cuda_it_fails_loudly(tmp_path):
     """No Python here sees a GPU: exit 2, the reason on stderr, no result file."""
     env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable}
@@ -74,6 +79,7 @@ def test_without_cuda_it_fails_loudly(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.e2e
 def test_bad_arguments(tmp_path):
     result = subprocess.run(["bash", "bench/gpu_check.sh", "--fast"], cwd=ROOT, capture_output=True,
                             text=True, timeout=60)

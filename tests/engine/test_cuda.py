@@ -1,14 +1,13 @@
-"""Engine checks that need a CUDA GPU (``bench/gpu_check.sh`` runs them); skipped elsewhere."""
+"""Engine checks that need a CUDA GPU (``bench/gpu_check.sh`` runs them)."""
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 from kernels.triton_launches import compiled_variant_counts
 from tests.engine.test_model_runner_batch import STEP
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 def test_two_engines_in_one_process_size_their_own_kv_caches():

@@ -16,8 +16,9 @@ from engine.config import SchedulerConfig
 from engine.loader import load_model
 from engine.model_runner import _default_dtype, build_host_batch
 from engine.models import AttentionMetadata, build_model
-from engine.request import Request, SampledToken
+from engine.request import Request
 from engine.scheduler import Scheduler
+from engine.scheduler_output import ModelRunnerOutput, SampledToken
 from kernels import triton_paged_attention
 from kernels.triton_launches import LaunchRecorder
 
@@ -46,7 +47,9 @@ def replay(workload: dict, shape: str, dtype=torch.bfloat16, block_size: int = 1
     head_dim = config.hidden_size // config.num_attention_heads
     cache = torch.empty(num_blocks, block_size, config.num_key_value_heads, head_dim,
                         dtype=dtype, device="meta")
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs,
+                                          max_num_batched_tokens=max_num_batched_tokens,
+                                          max_model_len=max_model_len),
                           BlockManager(num_blocks, block_size))
     for r in workload["requests"]:
         scheduler.add_request(Request(request_id=r["id"], prompt=None,
@@ -64,8 +67,8 @@ def replay(workload: dict, shape: str, dtype=torch.bfloat16, block_size: int = 1
                                           backend="triton", num_decodes=host.num_decodes)
             model(meta(host.input_ids), meta(host.positions), [(cache, cache)], attention)
             steps.append((host.num_decodes, len(output.scheduled)))
-            scheduler.update(output, {s.seq_id: [SampledToken(7)] for s in output.scheduled
-                                      if s.do_sample})
+            scheduler.update(output, ModelRunnerOutput({s.seq_id: [SampledToken(7)]
+                                                        for s in output.scheduled if s.do_sample}))
     return recorder, steps
 
 
