@@ -50,6 +50,13 @@ import torch
 import triton
 import triton.language as tl
 
+# The oldest Triton these kernels support (pyproject.toml declares it): triton.knobs is 3.4's.
+# scripts/check_triton_versions.sh runs the kernel tests under older releases' interpreters.
+TRITON_MIN_VERSION = (3, 4)
+if not hasattr(triton, "knobs"):
+    raise ImportError(f"mini-infer's Triton kernels need triton>={'.'.join(map(str, TRITON_MIN_VERSION))}"
+                      f" (triton.knobs); this is triton {triton.__version__}")
+
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 256  # shorter splits are not worth the reduce launch (a guess, not measured)
 MAX_SPLITS = 16
