@@ -26,15 +26,16 @@ from engine.models import head_dim_of  # noqa: E402
 
 
 def load_workload(path: Path, quick: bool = False) -> dict:
-    """A workload file (``shared/workloads/*.json``); ``quick`` keeps 8 requests, their
-    prompts cut to 64 tokens and outputs to 16, for CI."""
+    """A workload file (``shared/workloads/*.json``), cut by ``quick_workload`` if ``quick``."""
     workload = json.loads(Path(path).read_text())
-    if quick:
-        workload["requests"] = [
-            {**r, "prompt_token_ids": r["prompt_token_ids"][:64], "max_tokens": min(16, r["max_tokens"])}
-            for r in workload["requests"][:8]]
-        workload["name"] += "-quick"
-    return workload
+    return quick_workload(workload) if quick else workload
+
+
+def quick_workload(workload: dict) -> dict:
+    """The first 8 requests, prompts cut to 64 tokens and outputs to 16, for CI."""
+    requests = [{**r, "prompt_token_ids": r["prompt_token_ids"][:64], "max_tokens": min(16, r["max_tokens"])}
+                for r in workload["requests"][:8]]
+    return {**workload, "name": workload["name"] + "-quick", "requests": requests}
 
 
 def machine_info() -> dict:

@@ -182,7 +182,14 @@ def _finish(engine) -> None:
         engine.step()
 
 
-def decode_steps(engine, batch: int, num_steps: int = 24, prompt_len: int = 512) -> dict:
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_steps(engine, batch: int, num_steps: int, prompt_len: int) -> dict:
     """Wall time of ``num_steps`` decode steps at ``batch`` sequences (each step ends in the
     sampled tokens' copy to the host, so it includes the GPU's work)."""
     _add_decoding(engine, batch, prompt_len, num_steps + 2)
@@ -195,21 +202,21 @@ def decode_steps(engine, batch: int, num_steps: int = 24, prompt_len: int = 512)
     return step_summary(times)
 
 
-def gpu_busy(engine, batch: int, num_steps: int = 8, prompt_len: int = 512) -> dict:
+def gpu_busy(engine, batch: int, num_steps: int, prompt_len: int, device: str) -> dict:
     """Share of the wall time of ``num_steps`` decode steps during which a kernel ran
-    (torch.profiler's CUDA kernel intervals, merged)."""
-    import torch
+    (torch.profiler's CUDA kernel intervals, merged; none on the CPU)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     _add_decoding(engine, batch, prompt_len, num_steps + 2)
     engine.step()  # one decode outside the profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        _sync(device)
         start = time.perf_counter()
         for _ in range(num_steps):
             engine.step()
-        torch.cuda.synchronize()
+        _sync(device)
         wall_us = (time.perf_counter() - start) * 1e6
     _finish(engine)
     kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
@@ -233,24 +240,28 @@ def generate_workload(llm, workload: dict) -> dict:
             "output_tokens_per_s": round(tokens / seconds, 1)}
 
 
-def run_engine(backend: str, dry_run: bool) -> dict:
-    """The engine on ``MODEL`` with one attention backend (see the module docstring)."""
+def run_engine(backend: str, dry_run: bool, model: str = MODEL, device: str = "cuda",
+               quick: bool = False) -> dict:
+    """The engine with one attention backend (see the module docstring). ``model``,
+    ``device`` and ``quick`` (8 short requests, small decode batches) exist so that the
+    test suite can run this part on a CPU."""
+    from common import quick_workload
+
     workload = make_workload("w1_mixed")
-    result = {"model": MODEL, "backend": backend, "workload": workload["name"],
+    workload = quick_workload(workload) if quick else workload
+    batches, prompt_len, steps = ((1, 4), 32, 4) if quick else ((1, 64), 512, 24)
+    result = {"model": model, "backend": backend, "workload": workload["name"],
               "requests": len(workload["requests"]), "dry_run": dry_run}
     if dry_run:
         from engine.llm import LLM  # noqa: F401 - the imports of a real run
         return result
     # Cold means cold: no kernels from Triton's disk cache (set before triton is imported).
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpu-check-triton-")
-    import torch
-    from kernel_bench import copy_bandwidth_gbps
-
     from engine.llm import LLM
     from kernels.triton_launches import compiled_variant_counts
 
     start = time.perf_counter()
-    llm = LLM(model=MODEL, dtype="bfloat16", device="cuda", attention_backend=backend)
+    llm = LLM(model=model, dtype="bfloat16", device=device, attention_backend=backend)
     engine = llm.llm_engine
     result["startup_s"] = round(time.perf_counter() - start, 2)
     result["num_kv_blocks"] = engine.model_runner.num_blocks
@@ -259,18 +270,26 @@ def run_engine(backend: str, dry_run: bool) -> dict:
     result["warm"] = generate_workload(llm, workload)
     result["triton_variants_after_runs"] = compiled_variant_counts()
     result["output_tokens_per_s"] = result["warm"]["output_tokens_per_s"]
+    batch1 = decode_steps(engine, 1, steps, prompt_len)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model_runner.model.parameters())
+    result["batch1_decode"] = batch1 | {"weight_gb": round(weight_bytes / 1e9, 2)}
+    if device == "cuda":
+        result["batch1_decode"] |= weight_read_limit(batch1["median_ms"], weight_bytes)
+    result["gpu_busy"] = [gpu_busy(engine, b, steps // 3 + 1, prompt_len, device) for b in batches]
+    return result
+
+
+def weight_read_limit(step_ms: float, weight_bytes: int) -> dict:
+    """A decode step against the time to read every weight once at the device's copy
+    bandwidth (a large device-to-device copy, read + write bytes per second)."""
+    import torch
+    from kernel_bench import copy_bandwidth_gbps
+
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     copy_gbps = copy_bandwidth_gbps(flush)
-    del flush
-    batch1 = decode_steps(engine, 1)
     limit_ms = weight_bytes / (copy_gbps * 1e9) * 1e3
-    result["batch1_decode"] = batch1 | {
-        "weight_gb": round(weight_bytes / 1e9, 2), "copy_gbps": round(copy_gbps, 1),
-        "weight_read_limit_ms": round(limit_ms, 3),
-        "ratio_to_limit": round(batch1["median_ms"] / limit_ms, 2)}
-    result["gpu_busy"] = [gpu_busy(engine, 1), gpu_busy(engine, 64)]
-    return result
+    return {"copy_gbps": round(copy_gbps, 1), "weight_read_limit_ms": round(limit_ms, 3),
+            "ratio_to_limit": round(step_ms / limit_ms, 2)}
 
 
 # ---------------------------------------------------------------------------- merge
@@ -325,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         part.add_argument("--dry-run", action="store_true")
         if name == "engine":
             part.add_argument("--backend", choices=("triton", "torch"), required=True)
+            part.add_argument("--model", default=MODEL)
+            part.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+            part.add_argument("--quick", action="store_true", help="8 short requests (tests)")
     tests = sub.add_parser("tests")
     tests.add_argument("--dry-run", action="store_true")
     tests.add_argument("--junit", type=Path)
@@ -349,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "accuracy":
         result = run_accuracy(args.dry_run)
     else:
-        result = run_engine(args.backend, args.dry_run)
+        result = run_engine(args.backend, args.dry_run, args.model, args.device, args.quick)
     args.json_out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2)[-3000:])
     return 0 if result.get("ok", True) else 1

@@ -86,6 +86,21 @@ def test_bad_arguments(tmp_path):
     assert result.returncode == 2 and "unknown argument '--fast'" in result.stderr
 
 
+@pytest.mark.slow
+def test_engine_part_on_the_cpu():
+    """The engine part end to end, shrunk to run here: every measurement but the CUDA ones."""
+    result = gpu_check.run_engine("torch", dry_run=False, model="dummy:smollm2-135m", device="cpu",
+                                  quick=True)
+    assert result["workload"] == "w1_mixed-quick" and result["requests"] == 8
+    for run in ("cold", "warm"):
+        assert result[run]["output_tokens"] == 8 * 16 and result[run]["output_tokens_per_s"] > 0
+    assert result["triton_variants_after_startup"] == result["triton_variants_after_runs"]
+    assert result["batch1_decode"]["steps"] == 4 and result["batch1_decode"]["median_ms"] > 0
+    assert result["batch1_decode"]["weight_gb"] == pytest.approx(0.27, abs=0.01)  # 135M x 2 bytes
+    assert [b["batch"] for b in result["gpu_busy"]] == [1, 4]
+    assert all(b["gpu_busy_fraction"] == 0 and b["wall_ms"] > 0 for b in result["gpu_busy"])
+
+
 def _part(parts, name, rc, payload=None, log=""):
     (parts / f"{name}.rc").write_text(f"{rc}\n")
     (parts / f"{name}.log").write_text(log)
