@@ -95,8 +95,9 @@ class EngineConfig:
 
     model: str = setting(DEFAULT_MODEL, "Model spec: a name, a .gguf path, a transformers "
                          "directory or dummy:<shape> (see engine.loader).")
-    dtype: str = setting("auto", "Weights and KV cache dtype; auto = bfloat16 on CUDA and on "
-                         "CPUs with native bf16 matrix units, float32 elsewhere.", DTYPES)
+    dtype: str = setting("auto", "Weights and KV cache dtype; auto = bfloat16 on CUDA from Ampere "
+                         "(compute capability 8.0) on and on CPUs with native bf16 matrix units, "
+                         "float16 on older GPUs, float32 elsewhere.", DTYPES)
     device: str = setting("auto", "Where the engine runs; auto = CUDA if available.", DEVICES)
     attention_backend: str = setting(
         "auto", "Paged attention kernels; auto = Triton on CUDA, on the CPU the C++ kernel "
