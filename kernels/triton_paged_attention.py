@@ -38,8 +38,8 @@ specialisation of the integer arguments (a value of 1 becomes a constant; a mult
 gets a divisibility hint). The arguments that change from step to step (``seq_lo``,
 ``seq_hi``, ``num_splits``, the block-table stride) are marked ``do_not_specialize``, and
 the split count is a runtime value, so serving one model compiles three kernels: decode,
-prefill, and the split reduce (``variant_key`` names them; the engine compiles them at
-start-up, see ``engine.model_runner.ModelRunner.warm_up``).
+prefill, and the split reduce (``kernels.triton_launches`` counts them without a GPU; the
+engine compiles them at start-up, see ``engine.model_runner.ModelRunner.warm_up``).
 """
 from __future__ import annotations
 
@@ -323,7 +323,7 @@ def plan_launches(num_tokens: int, num_seqs: int, num_decodes: int, num_heads: i
                                    (num_decodes, num_kv_heads, num_splits)))
     if num_decodes < num_seqs:
         # fp32 64 x 32 tiles spill registers at head_dim 128 (1 KB per thread on sm_90);
-        # 32 x 16 do not (ptxas -v, sm_80 and sm_90).
+        # 32 x 16 spill none there and at most 12 bytes anywhere (ptxas -v, sm_80, sm_90).
         block_m = max(32 if is_fp32 else 64, group_pad)
         block_q = block_m // group_pad
         num_prefill_tokens = num_tokens - num_decodes
