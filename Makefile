@@ -7,9 +7,10 @@ PY := .venv/bin/python
 setup:
 	@./scripts/setup.sh
 
-# The OpenAI-compatible service on http://127.0.0.1:8000 (Ctrl-C stops it and Ray).
+# The OpenAI-compatible service on http://127.0.0.1:8000 (Ctrl-C stops it and Ray): the
+# defaults and MINI_INFER_* variables, with Serve's HTTP timeouts (ray_configs/serve_local.yaml).
 run: setup
-	.venv/bin/serve run app:deployment
+	.venv/bin/serve run ray_configs/serve_local.yaml
 
 # Everything CI runs: the whole suite, with the slowest tests' durations printed.
 test: setup

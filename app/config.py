@@ -17,6 +17,16 @@ from engine.config import EngineConfig, engine_args
 
 ENV_PREFIX = "MINI_INFER_"
 
+# Default request-body limit: a prompt of max_model_len tokens sent as token ids takes at
+# most 7 bytes a token ("49151, "), as JSON-escaped text rarely over 12 (\uXXXX per CJK
+# character); 64 leaves room for escaped whitespace runs. The other fields (messages' framing,
+# stop, logit_bias) get 1 MiB.
+BODY_BYTES_PER_TOKEN = 64
+BODY_BYTES_OVERHEAD = 1 << 20
+# Ingress concurrency beyond what the engine replicas and Serve's queue hold: requests being
+# refused, /health, /v1/models.
+INGRESS_HEADROOM = 64
+
 
 class ServiceSettings(BaseModel):
     """Settings of the service around the engine; ``AppConfig`` adds the engine's own."""
@@ -31,8 +41,14 @@ class ServiceSettings(BaseModel):
     num_ingress_replicas: int = Field(1, ge=1, description="OpenAI front-end replicas.")
     engine_num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per engine replica "
                                    "on CPU-only nodes.")
-    api_key: str | None = Field(None, description="If set, requests need "
+    api_key: str | None = Field(None, description="If set, every route but /health needs "
                                 "`Authorization: Bearer <api_key>`.")
+    max_request_body_bytes: int | None = Field(
+        None, ge=1, description="Largest request body the ingress reads; a larger one gets 413 "
+        "before it is parsed. Default: 64 bytes per token of max_model_len, plus 1 MiB.")
+    request_body_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds the ingress waits for the next part of a request body "
+        "before it answers 408 (a stalled or truncated upload).")
 
     @model_validator(mode="after")
     def _valid_engine_config(self):
@@ -57,10 +73,31 @@ class ServiceSettings(BaseModel):
         return self.served_model_name or self.model
 
     @property
-    def max_ongoing_requests(self) -> int:
-        """Serve's per-replica concurrency limit for the engine: room for a full batch and the
-        engine's own queue, so the engine (not Serve's default of 5) decides admission."""
-        return self.max_num_seqs + self.max_waiting_requests + 16
+    def engine_max_ongoing_requests(self) -> int:
+        """Serve's ``max_ongoing_requests`` for an engine replica: a full batch and the
+        engine's waiting queue, so that Serve never sends a request the engine would refuse."""
+        return self.max_num_seqs + self.max_waiting_requests
+
+    @property
+    def max_queued_requests(self) -> int:
+        """Serve's ``max_queued_requests`` for the engine deployment: requests each ingress
+        replica holds while every engine replica is full; one more is refused at once (503)."""
+        return max(1, self.max_waiting_requests)
+
+    @property
+    def ingress_max_ongoing_requests(self) -> int:
+        """Serve's ``max_ongoing_requests`` (and ``max_queued_requests``) for an ingress
+        replica: everything the engine replicas and the queue in front of them hold, plus
+        ``INGRESS_HEADROOM``, so that overload is refused by the ingress (in OpenAI's envelope)
+        rather than waiting in Serve's proxy."""
+        return (self.num_engine_replicas * self.engine_max_ongoing_requests
+                + self.max_queued_requests + INGRESS_HEADROOM)
+
+    def max_body_bytes(self, max_model_len: int) -> int:
+        """``max_request_body_bytes``, or its default for the engine's ``max_model_len``."""
+        if self.max_request_body_bytes is not None:
+            return self.max_request_body_bytes
+        return BODY_BYTES_PER_TOKEN * max_model_len + BODY_BYTES_OVERHEAD
 
     def engine_config(self) -> EngineConfig:
         """The engine's settings.

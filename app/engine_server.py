@@ -76,11 +76,13 @@ class EngineServer:
         """
         # Requests in flight beyond a full batch are the waiting queue (counted here, not in
         # the engine, so that a burst arriving between two steps is counted too).
+        # Serve's max_ongoing_requests (app.build_app) keeps this from happening behind the
+        # ingress; it still bounds direct callers of the deployment.
         num_waiting = self._num_in_flight - self.config.max_num_seqs
         if num_waiting >= self.config.max_waiting_requests:
             raise EngineOverloadedError(
                 f"the engine is overloaded: {num_waiting} requests waiting "
-                f"(max_waiting_requests={self.config.max_waiting_requests}); retry later")
+                f"(max_waiting_requests={self.config.max_waiting_requests})")
         self._num_in_flight += 1
         try:
             async for item in self._generate(prompt, params, request_id):
@@ -91,7 +93,7 @@ class EngineServer:
     async def _generate(self, prompt: dict, params: SamplingParams,
                         request_id: str | None) -> AsyncIterator[EngineOutput]:
         if "messages" in prompt:
-            prompt = self.llm.chat_prompt(prompt["messages"])
+            prompt = await self.llm.chat_prompt(prompt["messages"])
         start = time.perf_counter()
         timing = _Timing(start)
         num_output_tokens, finish_reasons, num_prompt_tokens = 0, [], 0
@@ -127,6 +129,11 @@ class EngineServer:
 
     def stats(self) -> dict:
         return {**self.llm.stats(), "replica_id": self.replica_id}
+
+    def limits(self) -> dict:
+        """What the ingress sizes its own limits from: ``max_model_len`` (resolved from the
+        model where the setting is unset)."""
+        return {"max_model_len": self.llm.engine.config.scheduler.max_model_len}
 
     def _record_stats(self) -> None:
         while not self._stop.wait(_STATS_PERIOD_S):

@@ -1,46 +1,78 @@
 """The OpenAI-compatible front end: validation, chat messages, SSE framing, errors.
 
-Requests are validated here (pydantic, then ``SamplingParams``) and by the engine replica
-(prompt length, token ids); the ingress waits for the engine's first output before sending
-any header, so a bad streaming request gets the same status and body as a non-streaming one.
+Requests pass ``app.http_guard.RequestGuard`` first (API key, body size, body timeout), are
+validated here (pydantic, then ``SamplingParams``) and by the engine replica (prompt length,
+token ids); the ingress waits for the engine's first output before sending any header, so a
+bad streaming request gets the same status and body as a non-streaming one.
 """
 
 import asyncio
-import hmac
+import math
+import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from app.config import AppConfig
-from app.errors import OpenAIError, error_response, from_exception, install_error_handlers, sse_error
+from app.errors import OpenAIError, from_exception, install_error_handlers, sse_error
+from app.http_guard import RequestGuard
 from app.metrics import HttpMetrics
 from app.openai_format import DONE, ChatFormatter, ResponseFormatter
 from app.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, now
+from engine.errors import excerpt
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 REPLICA_HEADER = "x-mini-infer-replica"
+# /health and /ready share one probe's outcome for this long, so that callers (and anyone
+# without the API key, for /health) cannot turn them into load on the engine.
+HEALTH_CACHE_S = 0.5
+READY_CACHE_S = 1.0
+# An engine replica that cannot answer "is your step loop alive" in this time is not.
+HEALTH_TIMEOUT_S = 5.0
 
 fastapi_app = FastAPI(title="mini-infer", description="OpenAI-compatible LLM inference.")
 install_error_handlers(fastapi_app)
 
 
-def _require_api_key(app: FastAPI, api_key: str) -> None:
-    """Answer 401 to ``/v1/*`` requests without ``Authorization: Bearer <api_key>``, before
-    their body is read (so before any 400)."""
-    expected = f"Bearer {api_key}"
+class CachedCheck:
+    """An async check run at most once per ``ttl_s``: concurrent and later callers share its
+    outcome (a result or an exception) until it is ``ttl_s`` old.
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and not hmac.compare_digest(
-                request.headers.get("authorization", ""), expected):
-            return error_response(request, OpenAIError(
-                401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key"))
-        return await call_next(request)
+    Args:
+        check: the coroutine function to run.
+        ttl_s: seconds an outcome is reused.
+    """
+
+    def __init__(self, check: Callable[[], Awaitable[dict]], ttl_s: float) -> None:
+        self._check = check
+        self._ttl_s = ttl_s
+        self._task: asyncio.Task | None = None
+        self._done_at = -math.inf
+
+    async def __call__(self) -> dict:
+        expired = time.monotonic() - self._done_at > self._ttl_s
+        if self._task is None or (self._task.done() and expired):
+            self._task = asyncio.ensure_future(self._run())
+        return await asyncio.shield(self._task)  # a caller that leaves does not cancel it
+
+    async def _run(self) -> dict:
+        try:
+            return await self._check()
+        finally:
+            self._done_at = time.monotonic()
+
+
+def _cancel(stream: DeploymentResponseGenerator) -> None:
+    """Stop a handle call. Serve's ``cancel()`` re-raises a failed assignment (a
+    ``BackPressureError``) that the caller has already answered: ignore it."""
+    try:
+        stream.cancel()
+    except Exception:  # noqa: BLE001 - the call never reached a replica
+        pass
 
 
 def _or_400(value_or_factory):
@@ -67,8 +99,12 @@ class OpenAIIngress:
         self.engine = engine
         self.engine_stream = engine.options(stream=True)  # made once, used by every request
         self.http_metrics = fastapi_app.state.http_metrics = HttpMetrics()
-        if config.api_key:
-            _require_api_key(fastapi_app, config.api_key)
+        self._max_body_bytes = config.max_request_body_bytes
+        self._health = CachedCheck(self._check_health, HEALTH_CACHE_S)
+        self._ready = CachedCheck(self._check_ready, READY_CACHE_S)
+        fastapi_app.add_middleware(RequestGuard, api_key=config.api_key,
+                                   max_body_bytes=self.max_body_bytes,
+                                   body_timeout_s=config.request_body_timeout_s)
 
     # ---- OpenAI endpoints ----------------------------------------------------------------
 
@@ -99,38 +135,69 @@ class OpenAIIngress:
 
     @fastapi_app.get("/health")
     async def health(self):
-        """Liveness: an engine replica's step loop is alive."""
-        try:
-            alive = await self.engine.is_alive.remote()
-        except Exception as exc:  # noqa: BLE001 - unreachable engine: not alive
-            alive, detail = False, repr(exc)
-        else:
-            detail = "engine step loop stopped"
-        if not alive:
-            raise OpenAIError(503, f"unhealthy: {detail}", code="unhealthy")
-        return {"status": "ok"}
+        """Liveness: some engine replica's step loop is alive. 503 at once while no engine
+        replica is running (a restart), so that load balancers stop sending traffic."""
+        return await self._health()
 
     @fastapi_app.get("/ready")
     async def ready(self):
-        """Readiness: a real one-token generation succeeds."""
+        """Readiness: a real one-token generation succeeds (its outcome is reused for
+        ``READY_CACHE_S``)."""
+        return await self._ready()
+
+    @fastapi_app.get("/stats")
+    async def stats(self):
+        """Every engine replica's counters (blocks, running, waiting, preemptions)."""
+        try:
+            return {"replicas": await self.engine.broadcast("stats").results_async()}
+        except Exception as exc:  # noqa: BLE001 - Serve's own handler would answer in plain text
+            raise from_exception(exc) from exc
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    async def max_body_bytes(self) -> int:
+        """The request-body limit (``AppConfig.max_body_bytes``), asking an engine replica
+        for ``max_model_len`` the first time when the setting leaves it to the model.
+
+        Raises:
+            OpenAIError: 503 while no engine replica is running.
+        """
+        if self._max_body_bytes is None:
+            max_model_len = self.config.max_model_len
+            if max_model_len is None:
+                try:
+                    limits = await self.engine.broadcast("limits").results_async(timeout_s=HEALTH_TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001 - no engine replica to ask
+                    raise from_exception(exc) from exc
+                max_model_len = limits[0]["max_model_len"]
+            self._max_body_bytes = self.config.max_body_bytes(max_model_len)
+        return self._max_body_bytes
+
+    async def _check_health(self) -> dict:
+        # broadcast() reaches every running engine replica past Serve's queue (a full
+        # replica still answers) and fails at once when there is none.
+        try:
+            alive = await self.engine.broadcast("is_alive").results_async(
+                timeout_s=HEALTH_TIMEOUT_S, return_exceptions=True)
+        except Exception as exc:  # noqa: BLE001 - no engine replica, or none answered in time
+            raise OpenAIError(503, f"unhealthy: {from_exception(exc).message}", code="unhealthy") from exc
+        if True not in alive:
+            raise OpenAIError(503, "unhealthy: no engine replica's step loop is alive", code="unhealthy")
+        return {"status": "ok"}
+
+    async def _check_ready(self) -> dict:
         params = SamplingParams(temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.DELTA)
         try:
+            await self._health()  # at once while no engine replica runs (else the call waits)
             async for _ in self.engine_stream.generate.remote({"prompt_token_ids": [0]}, params):
                 pass
         except Exception as exc:  # noqa: BLE001 - any failure means not ready
             raise OpenAIError(503, f"not ready: {from_exception(exc).message}", code="not_ready") from exc
         return {"status": "ready"}
 
-    @fastapi_app.get("/stats")
-    async def stats(self):
-        """Every engine replica's counters (blocks, running, waiting, preemptions)."""
-        return {"replicas": await self.engine.broadcast("stats").results_async()}
-
-    # ---- helpers -------------------------------------------------------------------------
-
     def _check_model(self, model: str) -> None:
         if model != self.config.model_name:
-            raise OpenAIError(404, f"model {model!r} does not exist; this server serves "
+            raise OpenAIError(404, f"model {excerpt(model)} does not exist; this server serves "
                               f"{self.config.model_name!r}", param="model", code="model_not_found")
 
     @staticmethod
@@ -144,7 +211,7 @@ class OpenAIIngress:
         try:
             first = await stream.__anext__()  # accepted, or the engine's 4xx, before any header
         except BaseException as exc:
-            stream.cancel()
+            _cancel(stream)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             error = from_exception(exc)
@@ -160,7 +227,7 @@ class OpenAIIngress:
             async for output in stream:
                 formatter.add(output)
         except asyncio.CancelledError:  # the client went away: stop the engine's work
-            stream.cancel()
+            _cancel(stream)
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
             raise from_exception(exc) from exc
@@ -185,4 +252,4 @@ class OpenAIIngress:
             yield DONE
         finally:
             if not done:  # disconnected or failed: abort the request in the engine
-                stream.cancel()
+                _cancel(stream)

@@ -3,7 +3,6 @@ import asyncio
 import json
 import re
 import time
-from pathlib import Path
 
 import aiohttp
 import requests
@@ -65,9 +64,10 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(api):
     assert idle, stats
 
 
-def _ray_metrics_text() -> str:
+def _ray_metrics_text(api) -> str:
     """Prometheus text from every target Ray lists for its metrics (its service discovery file)."""
-    targets = json.loads(Path("/tmp/ray/prom_metrics_service_discovery.json").read_text())[0]["targets"]
+    discovery = api.session_dir() / "prom_metrics_service_discovery.json"
+    targets = json.loads(discovery.read_text())[0]["targets"]
     return "\n".join(requests.get(f"http://{t}/metrics", timeout=10).text for t in targets)
 
 
@@ -87,7 +87,7 @@ def test_engine_metrics_are_exported_by_ray(api):
     deadline = time.monotonic() + 30  # Ray exports on a period of a few seconds
     missing = patterns
     while missing and time.monotonic() < deadline:
-        text = _ray_metrics_text()
+        text = _ray_metrics_text(api)
         missing = [p for p in patterns if not re.search(p, text, re.M)]
         time.sleep(1.0)
     assert not missing, f"not exported: {missing}"

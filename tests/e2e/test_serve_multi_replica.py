@@ -4,7 +4,6 @@ import asyncio
 import time
 
 import aiohttp
-import psutil
 import pytest
 import requests
 
@@ -19,14 +18,6 @@ KEY = "test-key-123"
 def two_replicas():
     with ServeProcess([SERVE, "run", "ray_configs/serve_multi_replica.yaml"], num_engine_replicas=2) as app:
         yield app
-
-
-def _engine_replica_processes() -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        if "ServeReplica:default:EngineServer" in " ".join(proc.info["cmdline"] or []):
-            found.append(proc)
-    return found
 
 
 async def _complete(session, url, i, timeout=90):
@@ -64,7 +55,7 @@ def test_requests_reach_both_replicas(two_replicas):
 
 
 def test_killing_a_replica_mid_load_hangs_no_client_and_the_app_recovers(two_replicas):
-    victims = _engine_replica_processes()
+    victims = two_replicas.engine_replicas()
     assert len(victims) == 2
 
     async def client(session, i, stop_at):
@@ -97,4 +88,4 @@ def test_killing_a_replica_mid_load_hangs_no_client_and_the_app_recovers(two_rep
     while two_replicas.num_replicas_up() < 2 and time.monotonic() < deadline:
         time.sleep(1)
     assert two_replicas.num_replicas_up() == 2
-    assert victims[0].pid not in {p.pid for p in _engine_replica_processes()}
+    assert victims[0].pid not in {p.pid for p in two_replicas.engine_replicas()}

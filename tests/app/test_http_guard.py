@@ -1,0 +1,171 @@
+"""RequestGuard in front of a FastAPI app, called over ASGI directly (no Serve): which routes
+need the API key, a body over the limit is refused before it is read, a stalled body gets
+408, and every refusal is OpenAI's envelope."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from app.errors import install_error_handlers
+from app.http_guard import RequestGuard
+
+KEY = "secret-key"
+LIMIT = 1000
+
+
+class Body(BaseModel):
+    text: str
+
+
+def make_app(api_key: str | None = KEY, body_timeout_s: float = 5.0) -> FastAPI:
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/stats")
+    async def stats():
+        return {"replicas": []}
+
+    @app.post("/v1/completions")
+    async def completions(body: Body):
+        return {"length": len(body.text)}
+
+    @app.post("/v1/stream")
+    async def stream(body: Body):
+        async def chunks():
+            for i in range(4):
+                await asyncio.sleep(body_timeout_s)  # longer than the body timeout, in all
+                yield f"{i}\n"
+        return StreamingResponse(chunks())
+
+    async def limit() -> int:
+        return LIMIT
+
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=limit,
+                       body_timeout_s=body_timeout_s)
+    return app
+
+
+def call(app, method: str, path: str, headers: dict | None = None, chunks: list[bytes] = (),
+         content_length: bool = True, stall: bool = False):
+    """One ASGI request: ``chunks`` as the body (then, with ``stall``, nothing more ever);
+    returns (status, headers, body, number of body chunks the app read)."""
+    body_messages = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
+    if not stall:
+        body_messages.append({"type": "http.request", "body": b"", "more_body": False})
+    raw_headers = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    if chunks:
+        raw_headers.append((b"content-type", b"application/json"))
+    if content_length and chunks:
+        raw_headers.append((b"content-length", str(sum(map(len, chunks))).encode()))
+    elif chunks:
+        raw_headers.append((b"transfer-encoding", b"chunked"))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": raw_headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    sent, num_read = [], 0
+
+    async def main():
+        response_done = asyncio.Event()
+
+        async def receive():
+            nonlocal num_read
+            if num_read < len(body_messages):
+                num_read += 1
+                return body_messages[num_read - 1]
+            if stall:  # an upload that never continues
+                await asyncio.sleep(3600)
+            await response_done.wait()  # the client stays until the response ends
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                response_done.set()
+
+        await asyncio.wait_for(app(scope, receive, send), 30)
+
+    asyncio.run(main())
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], dict(start["headers"]), body, num_read
+
+
+def _error(body: bytes) -> dict:
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+OK_BODY = [json.dumps({"text": "hi"}).encode()]
+
+
+@pytest.mark.parametrize("method,path,chunks,status_with_key", [
+    ("GET", "/stats", [], 200),
+    ("GET", "/docs", [], 200),
+    ("GET", "/openapi.json", [], 200),
+    ("GET", "/metrics", [], 404),
+    ("GET", "/no/such/route", [], 404),
+    ("POST", "/v1/completions", OK_BODY, 200),
+    ("POST", "/health", [], 405),
+])
+def test_every_route_but_health_needs_the_key(method, path, chunks, status_with_key):
+    app = make_app()
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        status, _, body, num_read = call(app, method, path, headers, chunks)
+        assert status == 401 and num_read == 0  # refused before any body is read
+        assert _error(body) == {"message": "a valid API key is required: send 'Authorization: Bearer <key>'",
+                                "type": "authentication_error", "param": None, "code": "invalid_api_key"}
+    assert call(app, method, path, AUTH, chunks)[0] == status_with_key
+
+
+def test_health_is_open_to_get_and_head():
+    app = make_app()
+    assert call(app, "GET", "/health")[:3:2] == (200, b'{"status":"ok"}')
+    assert call(app, "HEAD", "/health")[0] in (200, 405)  # HEAD is open; the route may not take it
+    assert call(make_app(api_key=None), "GET", "/stats")[0] == 200  # no key configured: all open
+
+
+def test_a_declared_length_over_the_limit_is_refused_before_reading():
+    status, headers, body, num_read = call(make_app(), "POST", "/v1/completions", AUTH, [b"x" * (LIMIT + 1)])
+    assert (status, num_read) == (413, 0)
+    assert headers[b"content-type"] == b"application/json"
+    assert _error(body) == {"message": f"the request body is larger than {LIMIT} bytes (max_request_body_bytes)",
+                            "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+
+
+def test_a_chunked_body_is_refused_once_it_passes_the_limit():
+    chunks = [b'{"text": "' + b"x" * 400] + [b"x" * 400] * 10
+    status, _, body, num_read = call(make_app(), "POST", "/v1/completions", AUTH, chunks, content_length=False)
+    assert status == 413 and num_read == 3  # 410 + 400 + 400 bytes: the third passes 1000
+    assert _error(body)["code"] == "request_too_large"
+
+
+def test_a_body_at_the_limit_is_accepted():
+    text = "x" * (LIMIT - len('{"text": ""}'))
+    status, _, body, _ = call(make_app(), "POST", "/v1/completions", AUTH, [json.dumps({"text": text}).encode()])
+    assert status == 200 and json.loads(body) == {"length": len(text)}
+
+
+def test_a_stalled_body_gets_408():
+    app = make_app(body_timeout_s=0.2)
+    status, _, body, _ = call(app, "POST", "/v1/completions", AUTH, [b'{"text": "'], stall=True)
+    assert status == 408
+    assert _error(body) == {"message": "the request body stopped arriving: nothing for 0.2 s "
+                                       "(request_body_timeout_s)",
+                            "type": "invalid_request_error", "param": None, "code": "request_timeout"}
+
+
+def test_a_stream_outlives_the_body_timeout():
+    # After the body, Starlette waits on receive() for a disconnect: no timeout there.
+    status, _, body, _ = call(make_app(body_timeout_s=0.1), "POST", "/v1/stream", AUTH, OK_BODY)
+    assert (status, body) == (200, b"0\n1\n2\n3\n")
