@@ -22,10 +22,10 @@ from app.ingress import OpenAIIngress
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Bind the two deployments: the OpenAI ingress and the engine server.
 
-    Overload is refused at the door: Serve sends an engine replica at most what it admits
-    (``max_num_seqs + max_waiting_requests``), holds at most ``max_queued_requests`` more at
-    each ingress replica, and answers any further request at once with 503 and
-    ``Retry-After`` (docs/DEPLOYMENT.md, "Limits").
+    Overload is refused at the door: each ingress replica lets through at most what the
+    engine replicas hold (``max_num_seqs + max_waiting_requests`` each) and answers any
+    further request at once with 503 and ``Retry-After``; Serve's own bounds agree, and send
+    an engine replica no more than it holds (docs/DEPLOYMENT.md, "Limits").
 
     Args:
         args: ``AppConfig`` fields (from ``serve run`` or a Serve config file's ``args``);
@@ -40,7 +40,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         name="EngineServer", num_replicas=config.num_engine_replicas,
         ray_actor_options=engine_actor_options(config),
         max_ongoing_requests=config.engine_max_ongoing_requests,
-        max_queued_requests=config.max_queued_requests, backpressure_config=backpressure,
+        max_queued_requests=config.max_admitted_requests, backpressure_config=backpressure,
         health_check_period_s=5, health_check_timeout_s=30)
     ingress = OpenAIIngress.options(
         num_replicas=config.num_ingress_replicas, ray_actor_options={"num_cpus": 0},

@@ -23,9 +23,10 @@ ENV_PREFIX = "MINI_INFER_"
 # stop, logit_bias) get 1 MiB.
 BODY_BYTES_PER_TOKEN = 64
 BODY_BYTES_OVERHEAD = 1 << 20
-# Ingress concurrency beyond what the engine replicas and Serve's queue hold: requests being
-# refused, /health, /v1/models.
-INGRESS_HEADROOM = 64
+# Ingress concurrency beyond what the engine replicas hold: requests being refused (before
+# their bodies are read: microseconds each), /health, /v1/models. Past it, requests wait in
+# Serve's proxy, which retries every 0.5 s at most.
+INGRESS_HEADROOM = 1024
 
 
 class ServiceSettings(BaseModel):
@@ -37,7 +38,9 @@ class ServiceSettings(BaseModel):
                                           "`model`; defaults to `model`.")
     max_waiting_requests: int = Field(512, ge=0, description="Requests an engine replica may "
                                       "queue before new ones get 503 with Retry-After.")
-    num_engine_replicas: int = Field(1, ge=1, description="Engine replicas (each holds a model).")
+    num_engine_replicas: int = Field(1, ge=1, description="Engine replicas (each holds a model); "
+                                     "with autoscaling, its max_replicas (the ingress admits "
+                                     "what that many hold).")
     num_ingress_replicas: int = Field(1, ge=1, description="OpenAI front-end replicas.")
     engine_num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per engine replica "
                                    "on CPU-only nodes.")
@@ -79,19 +82,21 @@ class ServiceSettings(BaseModel):
         return self.max_num_seqs + self.max_waiting_requests
 
     @property
-    def max_queued_requests(self) -> int:
-        """Serve's ``max_queued_requests`` for the engine deployment: requests each ingress
-        replica holds while every engine replica is full; one more is refused at once (503)."""
-        return max(1, self.max_waiting_requests)
+    def max_admitted_requests(self) -> int:
+        """Requests an ingress replica lets through to the engine replicas at once: what they
+        hold, running and waiting. One more is refused at once (503), before it queues.
+
+        Also Serve's ``max_queued_requests`` for the engine deployment, as a second bound:
+        Serve checks its own before it counts a request as queued, so a burst can pass it,
+        and a request that passed waits for a free replica without limit."""
+        return self.num_engine_replicas * self.engine_max_ongoing_requests
 
     @property
     def ingress_max_ongoing_requests(self) -> int:
         """Serve's ``max_ongoing_requests`` (and ``max_queued_requests``) for an ingress
-        replica: everything the engine replicas and the queue in front of them hold, plus
-        ``INGRESS_HEADROOM``, so that overload is refused by the ingress (in OpenAI's envelope)
-        rather than waiting in Serve's proxy."""
-        return (self.num_engine_replicas * self.engine_max_ongoing_requests
-                + self.max_queued_requests + INGRESS_HEADROOM)
+        replica: the admitted requests and ``INGRESS_HEADROOM`` more, so that overload is
+        refused by the ingress in OpenAI's envelope rather than waiting in Serve's proxy."""
+        return self.max_admitted_requests + INGRESS_HEADROOM
 
     def max_body_bytes(self, max_model_len: int) -> int:
         """``max_request_body_bytes``, or its default for the engine's ``max_model_len``."""

@@ -1,5 +1,6 @@
-"""The checks every HTTP request passes before FastAPI reads its body: the API key, the
-request-body size limit and the body read timeout.
+"""The checks every HTTP request passes before FastAPI reads its body: the API key, admission
+of a generation request (``app.admission.Admission``), the request-body size limit and the body
+read timeout.
 
 A pure ASGI middleware (not ``BaseHTTPMiddleware``), so that a refused request is answered
 without its body being read or parsed, and a streaming response is passed through untouched.
@@ -19,29 +20,36 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.admission import Admission
 from app.errors import OpenAIError, error_response, from_http_exception
 
 # Routes a load balancer probes without credentials (GET and HEAD).
 OPEN_PATHS = frozenset({"/health"})
+# Routes whose POST requests hold a place in the engine replicas until they are answered.
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 class RequestGuard:
-    """ASGI middleware: 401 without the API key, 413 for a body over the limit, 408 for a
-    body that stops arriving; each in OpenAI's error envelope.
+    """ASGI middleware: 401 without the API key, 503 for a generation request while the
+    engine replicas are full, 413 for a body over the limit, 408 for a body that stops
+    arriving; each in OpenAI's error envelope, and each before the body is read.
 
     Args:
         app: the wrapped ASGI app.
         api_key: when set, every request but ``GET``/``HEAD`` on ``OPEN_PATHS`` needs
             ``Authorization: Bearer <api_key>`` (compared in constant time).
+        admission: a ``POST`` on ``GENERATION_PATHS`` holds a place in it until its response
+            has ended (streamed to the end, failed, or the client gone).
         max_body_bytes: returns the body limit in bytes; awaited only for requests that
             carry a body (the ingress learns the engine's ``max_model_len`` lazily).
         body_timeout_s: seconds to wait for each next part of a body.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None,
+    def __init__(self, app: ASGIApp, api_key: str | None, admission: Admission,
                  max_body_bytes: Callable[[], Awaitable[int]], body_timeout_s: float) -> None:
         self.app = app
         self.expected_authorization = f"Bearer {api_key}" if api_key else None
+        self.admission = admission
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
 
@@ -50,16 +58,23 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
+        release = None
         try:
-            self._authorize(scope, headers)
-            if _has_body(headers):
-                receive = await self._limit_body(headers, receive)
-        except (OpenAIError, HTTPException) as error:
-            if isinstance(error, HTTPException):
-                error = from_http_exception(error)
-            await error_response(Request(scope), error)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
+            try:
+                self._authorize(scope, headers)
+                if scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
+                    release = self.admission.admit()
+                if _has_body(headers):
+                    receive = await self._limit_body(headers, receive)
+            except (OpenAIError, HTTPException) as error:
+                if isinstance(error, HTTPException):
+                    error = from_http_exception(error)
+                await error_response(Request(scope), error)(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+        finally:
+            if release is not None:
+                release()
 
     def _authorize(self, scope: Scope, headers: Headers) -> None:
         if self.expected_authorization is None:

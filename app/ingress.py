@@ -7,16 +7,15 @@ bad streaming request gets the same status and body as a non-streaming one.
 """
 
 import asyncio
-import math
-import time
 import uuid
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from app.admission import Admission, CachedCheck, ClosingStreamingResponse
 from app.config import AppConfig
 from app.errors import OpenAIError, from_exception, install_error_handlers, sse_error
 from app.http_guard import RequestGuard
@@ -38,34 +37,6 @@ fastapi_app = FastAPI(title="mini-infer", description="OpenAI-compatible LLM inf
 install_error_handlers(fastapi_app)
 
 
-class CachedCheck:
-    """An async check run at most once per ``ttl_s``: concurrent and later callers share its
-    outcome (a result or an exception) until it is ``ttl_s`` old.
-
-    Args:
-        check: the coroutine function to run.
-        ttl_s: seconds an outcome is reused.
-    """
-
-    def __init__(self, check: Callable[[], Awaitable[dict]], ttl_s: float) -> None:
-        self._check = check
-        self._ttl_s = ttl_s
-        self._task: asyncio.Task | None = None
-        self._done_at = -math.inf
-
-    async def __call__(self) -> dict:
-        expired = time.monotonic() - self._done_at > self._ttl_s
-        if self._task is None or (self._task.done() and expired):
-            self._task = asyncio.ensure_future(self._run())
-        return await asyncio.shield(self._task)  # a caller that leaves does not cancel it
-
-    async def _run(self) -> dict:
-        try:
-            return await self._check()
-        finally:
-            self._done_at = time.monotonic()
-
-
 def _cancel(stream: DeploymentResponseGenerator) -> None:
     """Stop a handle call. Serve's ``cancel()`` re-raises a failed assignment (a
     ``BackPressureError``) that the caller has already answered: ignore it."""
@@ -73,6 +44,24 @@ def _cancel(stream: DeploymentResponseGenerator) -> None:
         stream.cancel()
     except Exception:  # noqa: BLE001 - the call never reached a replica
         pass
+
+
+class _EngineCall:
+    """A request's stream from the engine deployment. ``close()`` stops the engine's work
+    unless the stream ran to its end (at most once, however the response ended).
+
+    Args:
+        stream: from ``generate.remote``.
+    """
+
+    def __init__(self, stream: DeploymentResponseGenerator) -> None:
+        self.stream = stream
+        self.finished = False
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True  # once
+            _cancel(self.stream)
 
 
 def _or_400(value_or_factory):
@@ -103,6 +92,7 @@ class OpenAIIngress:
         self._health = CachedCheck(self._check_health, HEALTH_CACHE_S)
         self._ready = CachedCheck(self._check_ready, READY_CACHE_S)
         fastapi_app.add_middleware(RequestGuard, api_key=config.api_key,
+                                   admission=Admission(config.max_admitted_requests),
                                    max_body_bytes=self.max_body_bytes,
                                    body_timeout_s=config.request_body_timeout_s)
 
@@ -206,12 +196,11 @@ class OpenAIIngress:
 
     async def _respond(self, body: SamplingRequest, prompt: dict, params: SamplingParams,
                        formatter: ResponseFormatter, prompt_param: str = "prompt"):
-        request_id = uuid.uuid4().hex
-        stream = self.engine_stream.generate.remote(prompt, params, request_id)
+        call = _EngineCall(self.engine_stream.generate.remote(prompt, params, uuid.uuid4().hex))
         try:
-            first = await stream.__anext__()  # accepted, or the engine's 4xx, before any header
+            first = await call.stream.__anext__()  # accepted, or the engine's 4xx, before any header
         except BaseException as exc:
-            _cancel(stream)
+            call.close()
             if isinstance(exc, asyncio.CancelledError):
                 raise
             error = from_exception(exc)
@@ -220,29 +209,28 @@ class OpenAIIngress:
             raise error from exc
         headers = {REPLICA_HEADER: first["replica_id"]}
         if body.stream:
-            return StreamingResponse(self._sse(first, stream, formatter), headers=headers,
-                                     media_type="text/event-stream")
+            return ClosingStreamingResponse(self._sse(first, call, formatter), call.close,
+                                            headers=headers, media_type="text/event-stream")
         try:
             formatter.add(first)
-            async for output in stream:
+            async for output in call.stream:
                 formatter.add(output)
-        except asyncio.CancelledError:  # the client went away: stop the engine's work
-            _cancel(stream)
-            raise
+            call.finished = True
         except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
             raise from_exception(exc) from exc
+        finally:  # also when the client went away (CancelledError): stop the engine's work
+            call.close()
         return JSONResponse(formatter.response(), headers=headers)
 
-    async def _sse(self, first: dict, stream: DeploymentResponseGenerator,
+    async def _sse(self, first: dict, call: "_EngineCall",
                    formatter: ResponseFormatter) -> AsyncIterator[str]:
-        done = False
         try:
             for chunk in formatter.chunks(first, first=True):
                 yield chunk
-            async for output in stream:
+            async for output in call.stream:
                 for chunk in formatter.chunks(output, first=False):
                     yield chunk
-            done = True
+            call.finished = True
             for chunk in formatter.final_chunks():
                 yield chunk
         except Exception as exc:  # noqa: BLE001 - the headers are gone: an SSE error event
@@ -250,6 +238,5 @@ class OpenAIIngress:
             self.http_metrics.record_error(error.status_code)
             yield sse_error(error)
             yield DONE
-        finally:
-            if not done:  # disconnected or failed: abort the request in the engine
-                _cancel(stream)
+        finally:  # disconnected or failed: abort the request in the engine
+            call.close()

@@ -81,6 +81,8 @@ def test_a_huge_request_is_refused_without_stalling_others(api, name):
         "type": "invalid_request_error", "param": None, "code": "request_too_large"}}
     assert health_checks and {status for status, _ in health_checks} == {200}
     ratio = statistics.median(beside) / statistics.median(alone)
+    print(f"{name}: {len(refusals)} refused; normal p50 {statistics.median(alone):.3f} s alone, "
+          f"{statistics.median(beside):.3f} s beside ({ratio:.2f}x); /health {len(health_checks)} x 200")
     assert ratio <= 2.0, (f"{len(refusals)} refused {name}s slowed normal requests {ratio:.2f}x: "
                           f"alone {sorted(alone)}, beside {sorted(beside)}")
 
@@ -114,6 +116,7 @@ def test_refused_large_requests_leave_the_engine_replica_memory_flat(api):
         assert response.status_code == (413 if fragment is None else 400), response.text
         assert fragment is None or fragment in response.json()["error"]["message"]
     after = replica.memory_info().rss
+    print(f"engine replica RSS {before / 2**20:.0f} -> {after / 2**20:.0f} MiB")
     assert after <= 1.10 * before, f"engine replica RSS {before / 2**20:.0f} -> {after / 2**20:.0f} MiB"
     requests.post(api.url + "/v1/completions", json=NORMAL, timeout=60).raise_for_status()
 

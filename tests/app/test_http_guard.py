@@ -1,5 +1,6 @@
 """RequestGuard in front of a FastAPI app, called over ASGI directly (no Serve): which routes
-need the API key, a body over the limit is refused before it is read, a stalled body gets
+need the API key, a generation request holds a place until its response ends and is refused
+while none is free, a body over the limit is refused before it is read, a stalled body gets
 408, and every refusal is OpenAI's envelope."""
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from app.admission import Admission
 from app.errors import install_error_handlers
 from app.http_guard import RequestGuard
 
@@ -22,8 +24,10 @@ class Body(BaseModel):
     text: str
 
 
-def make_app(api_key: str | None = KEY, body_timeout_s: float = 5.0) -> FastAPI:
+def make_app(api_key: str | None = KEY, body_timeout_s: float = 5.0,
+             admission: Admission | None = None) -> FastAPI:
     app = FastAPI()
+    admission = admission or Admission(limit=100)
     install_error_handlers(app)
 
     @app.get("/health")
@@ -38,7 +42,7 @@ def make_app(api_key: str | None = KEY, body_timeout_s: float = 5.0) -> FastAPI:
     async def completions(body: Body):
         return {"length": len(body.text)}
 
-    @app.post("/v1/stream")
+    @app.post("/v1/chat/completions")  # a streaming generation route
     async def stream(body: Body):
         async def chunks():
             for i in range(4):
@@ -49,7 +53,7 @@ def make_app(api_key: str | None = KEY, body_timeout_s: float = 5.0) -> FastAPI:
     async def limit() -> int:
         return LIMIT
 
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=limit,
+    app.add_middleware(RequestGuard, api_key=api_key, admission=admission, max_body_bytes=limit,
                        body_timeout_s=body_timeout_s)
     return app
 
@@ -167,5 +171,28 @@ def test_a_stalled_body_gets_408():
 
 def test_a_stream_outlives_the_body_timeout():
     # After the body, Starlette waits on receive() for a disconnect: no timeout there.
-    status, _, body, _ = call(make_app(body_timeout_s=0.1), "POST", "/v1/stream", AUTH, OK_BODY)
+    status, _, body, _ = call(make_app(body_timeout_s=0.1), "POST", "/v1/chat/completions", AUTH, OK_BODY)
     assert (status, body) == (200, b"0\n1\n2\n3\n")
+
+
+def test_a_generation_request_holds_its_place_until_its_response_ends():
+    admission = Admission(limit=1)
+    app = make_app(body_timeout_s=0.05, admission=admission)
+
+    async def main():
+        first = asyncio.create_task(asyncio.to_thread(call, app, "POST", "/v1/chat/completions", AUTH, OK_BODY))
+        await asyncio.sleep(0.1)  # the first is streaming (4 chunks, 0.05 s apart)
+        during = admission.num_admitted
+        refused = await asyncio.to_thread(call, app, "POST", "/v1/completions", AUTH, OK_BODY)
+        return await first, during, refused
+
+    (status, _, body, _), during, refused = asyncio.run(main())
+    assert (status, body, during) == (200, b"0\n1\n2\n3\n", 1)
+    assert refused[0] == 503 and refused[3] == 0  # refused before its body was read
+    assert refused[1][b"retry-after"] == b"1" and _error(refused[2])["code"] == "overloaded"
+    assert admission.num_admitted == 0
+    # A refused or failed request gives its place back too.
+    assert call(app, "POST", "/v1/completions", AUTH, [b"x" * (LIMIT + 1)])[0] == 413
+    assert call(app, "POST", "/v1/completions", AUTH, [b"{}"])[0] == 400
+    assert call(app, "POST", "/v1/completions", {}, OK_BODY)[0] == 401
+    assert admission.num_admitted == 0 and call(app, "POST", "/v1/completions", AUTH, OK_BODY)[0] == 200

@@ -31,7 +31,7 @@ def test_serve_configs_are_valid_and_build(name):
 
 @pytest.fixture(scope="module")
 def restricted():
-    # Capacity: 2 running + 2 waiting in the engine replica + 2 queued in front of it.
+    # Capacity: 2 running + 2 waiting in the engine replica; the ingress admits no more.
     command = [SERVE, "run", "app:build_app", "max_num_seqs=2", "max_waiting_requests=2",
                "kv_cache_memory_gb=0.25", f"api_key={KEY}", "dtype=float32",
                "request_body_timeout_s=2"]
@@ -102,17 +102,18 @@ async def _one(session, url, i):
 
 
 def test_a_burst_over_capacity_is_refused_at_once_and_the_rest_completes(restricted):
-    capacity = 2 + 2 + 2
+    capacity = 2 + 2
 
     async def main():
         async with aiohttp.ClientSession(headers=AUTH, timeout=aiohttp.ClientTimeout(total=120)) as session:
-            return await asyncio.gather(*(_one(session, restricted.url, i) for i in range(5 * capacity)))
+            return await asyncio.gather(*(_one(session, restricted.url, i) for i in range(8 * capacity)))
 
     results = asyncio.run(main())
     accepted = [r for r in results if r[0] == 200]
     refused = [r for r in results if r[0] != 200]
     assert {r[0] for r in refused} <= {429, 503}, [r[0] for r in refused]
-    assert len(accepted) >= 2 and len(refused) >= 3 * capacity, [r[0] for r in results]
+    # At least the capacity, and more only where a request finished while the burst arrived.
+    assert len(accepted) >= capacity and len(refused) >= 6 * capacity, [r[0] for r in results]
     assert all(complete for _, _, _, complete, _ in accepted)
     for _, retry_after, _, _, text in refused:
         error = json.loads(text)["error"]
@@ -120,6 +121,8 @@ def test_a_burst_over_capacity_is_refused_at_once_and_the_rest_completes(restric
         assert error["message"].count("retry") == 1, error["message"]
     refusal_seconds = sorted(seconds for _, _, seconds, _, _ in refused)
     p99 = refusal_seconds[min(len(refusal_seconds) - 1, int(0.99 * len(refusal_seconds)))]
+    print(f"{len(accepted)} accepted, {len(refused)} refused in {refusal_seconds[0]:.3f}-"
+          f"{refusal_seconds[-1]:.3f} s (p99 {p99:.3f} s)")
     assert p99 < 1.0, f"refusals took {refusal_seconds}"
     _assert_idle_soon(restricted)
 
@@ -200,6 +203,8 @@ def test_health_answers_503_at_once_while_no_engine_replica_runs(restricted):
     statuses = [status for _, status, _ in probes]
     assert 503 in statuses and statuses[-1] == 200, probes
     first_503 = statuses.index(503)
+    print(f"first 503 {probes[first_503][0]:.2f} s after the kill; 200 again after {probes[-1][0]:.1f} s; "
+          f"slowest probe {max(took for _, _, took in probes):.3f} s")
     assert probes[first_503][0] < 2.0, probes[: first_503 + 1]  # within 2 s of the kill
     assert max(took for _, _, took in probes) < 1.0, probes  # each answer at once
     assert set(statuses[first_503:-1]) == {503}  # 503 until a replica runs again, then 200
