@@ -1,9 +1,10 @@
 """The OpenAI-compatible front end: validation, chat messages, SSE framing, errors.
 
-Requests pass ``app.http_guard.RequestGuard`` first (API key, body size, body timeout), are
-validated here (pydantic, then ``SamplingParams``) and by the engine replica (prompt length,
-token ids); the ingress waits for the engine's first output before sending any header, so a
-bad streaming request gets the same status and body as a non-streaming one.
+Requests pass ``app.http_guard.RequestGuard`` first (API key, admission of generation
+requests, body size, body timeout), are validated here (pydantic, then ``SamplingParams``)
+and by the engine replica (prompt length, token ids); the ingress waits for the engine's
+first output before sending any header, so a bad streaming request gets the same status and
+body as a non-streaming one.
 """
 
 import asyncio
