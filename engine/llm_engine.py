@@ -180,10 +180,25 @@ class LLMEngine:
             return self.output_processor.make_outputs()
         for sequence, token in self.scheduler.update(scheduler_output, runner_output):
             stop = self.output_processor.add_token(sequence, token)
-            if stop is not None and not sequence.status.is_finished:
-                sequence.stop_reason = stop
-                self.scheduler.finish_request(sequence.seq_id, RequestStatus.FINISHED_STOPPED)
+            if stop is not None:
+                self._stop_at_string(sequence, stop)
         return self.output_processor.make_outputs()
+
+    def _stop_at_string(self, sequence: Request, stop: str) -> None:
+        """End a sequence whose new token completed the stop string ``stop``.
+
+        A stop wins over the length limit: when the token that completed the string was also
+        the ``max_tokens``-th, the scheduler has already finished the sequence as 'length'
+        (and freed its blocks); it becomes 'stop' here. A sequence that a stop token or EOS
+        ended keeps that token as its reason (vLLM checks stop strings only when no stop
+        token ended the sequence)."""
+        if sequence.status == RequestStatus.FINISHED_STOPPED:
+            return
+        sequence.stop_reason = stop
+        if sequence.status == RequestStatus.FINISHED_LENGTH:
+            sequence.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_request(sequence.seq_id, RequestStatus.FINISHED_STOPPED)
 
     def _finish_requests(self, request_ids, status: RequestStatus, error: str | None) -> None:
         """End every live sequence of the given requests, freeing their blocks."""
