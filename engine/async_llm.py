@@ -89,9 +89,9 @@ class AsyncLLM:
         if self._dead is not None or not self._thread.is_alive():
             raise EngineDeadError(f"the engine step loop has stopped: {self._dead!r}")
 
-    def chat_prompt(self, conversation: list[dict]) -> dict:
+    def chat_prompt(self, conversation: list[dict], **kwargs) -> dict:
         """``LLMEngine.chat_prompt`` (the tokenizer is read-only: safe beside the loop)."""
-        return self.engine.chat_prompt(conversation)
+        return self.engine.chat_prompt(conversation, **kwargs)
 
     def stats(self) -> dict:
         """The engine's counters (read without locking; each value is a plain int or float)."""

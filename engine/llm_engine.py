@@ -113,16 +113,34 @@ class LLMEngine:
                                       f"[0, {vocab_size})",
                                       "prompt" if field_name == "prompt_token_ids" else field_name)
 
-    def chat_prompt(self, conversation: list[dict]) -> dict:
-        """A conversation through the tokenizer's chat template, with the generation prompt
-        added: ``{"prompt": text, "prompt_token_ids": ids}``.
+    def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> dict:
+        """A conversation through the tokenizer's chat template:
+        ``{"prompt": text, "prompt_token_ids": ids}``.
+
+        Args:
+            conversation: ``[{"role": ..., "content": ...}, ...]``.
+            add_generation_prompt: end with the template's opening of an assistant message.
+            continue_final_message: leave the last message open (no end-of-turn token), so
+                that the model continues it (vLLM's semantics: it excludes
+                ``add_generation_prompt``).
 
         Raises:
-            InvalidRequestError: if the model has no chat template.
+            InvalidRequestError: if the model has no chat template, if both flags are set,
+                or if the template cannot leave the last message open.
         """
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise InvalidRequestError(f"model {self.config.model!r} has no chat template", "messages")
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both "
+                                      "be true: set add_generation_prompt to false to continue the "
+                                      "last message", "continue_final_message")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=False)
+        except ValueError as exc:  # transformers: the last message cannot be left open
+            raise InvalidRequestError(f"continue_final_message: {exc}", "continue_final_message") from None
         return {"prompt": text, "prompt_token_ids": self.tokenize(text, add_special_tokens=False)}
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
