@@ -6,7 +6,6 @@ any header, so a bad streaming request gets the same status and body as a non-st
 """
 
 import asyncio
-import logging
 import uuid
 from typing import AsyncIterator
 
@@ -26,8 +25,6 @@ from app.request_fields import Endpoint, unsupported_field
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 REPLICA_HEADER = "x-mini-infer-replica"
-
-logger = logging.getLogger("ray.serve")
 
 fastapi_app = FastAPI(title="mini-infer", description="OpenAI-compatible LLM inference.")
 install_error_handlers(fastapi_app)
