@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import psutil
 import requests
 
 from tests.app.conftest import MODEL
@@ -66,9 +67,20 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(api):
     assert idle, stats
 
 
-def _ray_metrics_text() -> str:
+def _ray_session_dir(api) -> Path:
+    """This service's Ray session (not /tmp/ray's latest: other Ray instances may share the
+    machine), from its GCS server's command line."""
+    for process in psutil.Process(api.process.pid).children(recursive=True):
+        for arg in process.cmdline():
+            if arg.startswith("--session-dir="):
+                return Path(arg.split("=", 1)[1])
+    raise AssertionError("no Ray session among the service's processes")
+
+
+def _ray_metrics_text(api) -> str:
     """Prometheus text from every target Ray lists for its metrics (its service discovery file)."""
-    targets = json.loads(Path("/tmp/ray/prom_metrics_service_discovery.json").read_text())[0]["targets"]
+    discovery = _ray_session_dir(api) / "prom_metrics_service_discovery.json"
+    targets = json.loads(discovery.read_text())[0]["targets"]
     return "\n".join(requests.get(f"http://{t}/metrics", timeout=10).text for t in targets)
 
 
@@ -88,7 +100,7 @@ def test_engine_metrics_are_exported_by_ray(api):
     deadline = time.monotonic() + 30  # Ray exports on a period of a few seconds
     missing = patterns
     while missing and time.monotonic() < deadline:
-        text = _ray_metrics_text()
+        text = _ray_metrics_text(api)
         missing = [p for p in patterns if not re.search(p, text, re.M)]
         time.sleep(1.0)
     assert not missing, f"not exported: {missing}"
