@@ -145,3 +145,17 @@ def test_metrics_count_what_happens(api):
     assert sample(after, generated) - sample(before.text, generated) == 5
     errors = r'mini_infer_http_errors_total\{status_code="400"\}'
     assert sample(after, errors) - sample(before.text, errors) == 1
+
+
+def test_render_merges_replicas_into_one_family_each():
+    from app.metrics import HttpMetrics, render
+
+    first, second = HttpMetrics(), HttpMetrics()
+    first.record_error(400)
+    second.record_error(400)
+    second.record_error(503)
+    text = render([first.families(), second.families()]).decode()
+    assert text.count("# TYPE mini_infer_http_errors_total counter") == 1
+    assert 'mini_infer_http_errors_total{status_code="400"} 2.0' in text
+    assert 'mini_infer_http_errors_total{status_code="503"} 1.0' in text
+    assert 'mini_infer_http_errors_total{status_code="404"} 0.0' in text
