@@ -72,8 +72,26 @@ class _Metrics:
                 for m in self.registry.collect()]
 
 
+# (attribute of EngineMetrics, kind, name, description), each tagged with model and replica.
+_ENGINE_SERIES = [
+    ("num_running", "gauge", "mini_infer_num_requests_running", "Sequences in the running batch."),
+    ("num_waiting", "gauge", "mini_infer_num_requests_waiting", "Sequences waiting for admission."),
+    ("kv_cache_usage", "gauge", "mini_infer_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)."),
+    ("preemptions", "counter", "mini_infer_num_preemptions_total", "Sequences preempted (to be recomputed)."),
+    ("prompt_tokens", "counter", "mini_infer_prompt_tokens_total", "Prompt tokens of accepted requests."),
+    ("generation_tokens", "counter", "mini_infer_generation_tokens_total", "Generated tokens."),
+    ("ttft", "histogram", "mini_infer_time_to_first_token_seconds", "Time to first token (TTFT)."),
+    ("tpot", "histogram", "mini_infer_time_per_output_token_seconds",
+     "Mean time per output token after the first (TPOT)."),
+    ("itl", "histogram", "mini_infer_inter_token_latency_seconds",
+     "Time between consecutive outputs of a request (ITL)."),
+    ("e2e", "histogram", "mini_infer_e2e_request_latency_seconds", "Request latency, arrival to last token."),
+]
+
+
 class EngineMetrics(_Metrics):
-    """One engine replica's metrics, tagged with the model and replica.
+    """One engine replica's metrics (``_ENGINE_SERIES`` and finished requests by reason),
+    tagged with the model and replica.
 
     Args:
         model_name: the served model name.
@@ -84,31 +102,12 @@ class EngineMetrics(_Metrics):
         super().__init__()
         keys = ("model_name", "replica")
         self.tags = {"model_name": model_name, "replica": replica_id}
-        self.num_running = self._series("gauge", "mini_infer_num_requests_running",
-                                        "Sequences in the running batch.", keys)
-        self.num_waiting = self._series("gauge", "mini_infer_num_requests_waiting",
-                                        "Sequences waiting for admission.", keys)
-        self.kv_cache_usage = self._series("gauge", "mini_infer_kv_cache_usage_perc",
-                                           "Fraction of KV cache blocks in use (0 to 1).", keys)
-        self.preemptions = self._series("counter", "mini_infer_num_preemptions_total",
-                                        "Sequences preempted (to be recomputed).", keys)
-        self.prompt_tokens = self._series("counter", "mini_infer_prompt_tokens_total",
-                                          "Prompt tokens of accepted requests.", keys)
-        self.generation_tokens = self._series("counter", "mini_infer_generation_tokens_total",
-                                              "Generated tokens.", keys)
+        for attribute, kind, name, description in _ENGINE_SERIES:
+            series = self._series(kind, name, description, keys)
+            series.touch(self.tags)
+            setattr(self, attribute, series)
         self.finished = self._series("counter", "mini_infer_request_success_total",
                                      "Finished requests by finish reason.", keys + ("finished_reason",))
-        self.ttft = self._series("histogram", "mini_infer_time_to_first_token_seconds",
-                                 "Time to first token (TTFT).", keys)
-        self.tpot = self._series("histogram", "mini_infer_time_per_output_token_seconds",
-                                 "Mean time per output token after the first (TPOT).", keys)
-        self.itl = self._series("histogram", "mini_infer_inter_token_latency_seconds",
-                                "Time between consecutive outputs of a request (ITL).", keys)
-        self.e2e = self._series("histogram", "mini_infer_e2e_request_latency_seconds",
-                                "Request latency, arrival to last token.", keys)
-        for series in (self.num_running, self.num_waiting, self.kv_cache_usage, self.preemptions,
-                       self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.itl, self.e2e):
-            series.touch(self.tags)
         for reason in FINISH_REASONS:
             self.finished.touch({**self.tags, "finished_reason": reason})
         self._last_preemptions = 0
