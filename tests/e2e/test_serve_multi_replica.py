@@ -22,11 +22,15 @@ def two_replicas():
         yield app
 
 
-def _engine_replica_processes() -> list[psutil.Process]:
+def _engine_replica_processes(app: ServeProcess) -> list[psutil.Process]:
+    """This service's engine replicas (other Ray instances may share the machine)."""
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        if "ServeReplica:default:EngineServer" in " ".join(proc.info["cmdline"] or []):
-            found.append(proc)
+    for proc in psutil.Process(app.process.pid).children(recursive=True):
+        try:
+            if "ServeReplica:default:EngineServer" in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:  # gone meanwhile
+            pass
     return found
 
 
@@ -68,7 +72,7 @@ def test_requests_reach_both_replicas(two_replicas):
 
 
 def test_killing_a_replica_mid_load_hangs_no_client_and_the_app_recovers(two_replicas):
-    victims = _engine_replica_processes()
+    victims = _engine_replica_processes(two_replicas)
     assert len(victims) == 2
 
     async def client(session, i, stop_at):
@@ -101,4 +105,4 @@ def test_killing_a_replica_mid_load_hangs_no_client_and_the_app_recovers(two_rep
     while two_replicas.num_replicas_up() < 2 and time.monotonic() < deadline:
         time.sleep(1)
     assert two_replicas.num_replicas_up() == 2
-    assert victims[0].pid not in {p.pid for p in _engine_replica_processes()}
+    assert victims[0].pid not in {p.pid for p in _engine_replica_processes(two_replicas)}
