@@ -64,7 +64,7 @@ class RequestGuard:
                 self._authorize(scope, headers)
                 if scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
                     release = self.admission.admit()
-                if _has_body(headers):
+                if has_body(headers):
                     receive = await self._limit_body(headers, receive)
             except (OpenAIError, HTTPException) as error:
                 if isinstance(error, HTTPException):
@@ -116,7 +116,8 @@ class RequestGuard:
         return limited_receive
 
 
-def _has_body(headers: Headers) -> bool:
+def has_body(headers: Headers) -> bool:
+    """Whether a request carries a body: chunked, or a ``Content-Length`` that is not 0."""
     return "transfer-encoding" in headers or headers.get("content-length", "0") != "0"
 
 

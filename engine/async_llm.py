@@ -64,6 +64,8 @@ class AsyncLLM:
             EngineDeadError: the step loop has stopped.
         """
         self.check_health()
+        # Tokenized (and checked) here, so that the step loop only checks the ids' length.
+        prompt = await self._on_worker(self.engine.process_prompt, prompt)
         request_id = request_id or uuid.uuid4().hex
         params = sampling_params or SamplingParams(output_kind=RequestOutputKind.DELTA)
         stream: asyncio.Queue = asyncio.Queue()
@@ -95,14 +97,16 @@ class AsyncLLM:
         if self._dead is not None or not self._thread.is_alive():
             raise EngineDeadError(f"the engine step loop has stopped: {self._dead!r}")
 
-    async def chat_prompt(self, conversation: list[dict]) -> dict:
+    async def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
+                          continue_final_message: bool = False) -> dict:
         """``LLMEngine.chat_prompt`` on a worker thread (the tokenizer is read-only: safe
         beside the loop): ``{"prompt": text, "prompt_token_ids": ids}`` for ``generate``.
 
         Raises:
             ValueError: as ``LLMEngine.chat_prompt``.
         """
-        return await self._on_worker(self.engine.chat_prompt, conversation)
+        return await self._on_worker(self.engine.chat_prompt, conversation,
+                                     add_generation_prompt, continue_final_message)
 
     async def _on_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizers, fn, *args)

@@ -150,19 +150,32 @@ class LLMEngine:
                                       f"vocabulary [0, {vocab_size})",
                                       "prompt" if field_name == "prompt_token_ids" else field_name)
 
-    def chat_prompt(self, conversation: list[dict]) -> dict:
-        """A conversation through the tokenizer's chat template, with the generation prompt
-        added: ``{"prompt": text, "prompt_token_ids": ids}``. Thread-safe as
-        ``process_prompt``; a conversation that cannot fit is refused before templating.
+    def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> dict:
+        """A conversation through the tokenizer's chat template:
+        ``{"prompt": text, "prompt_token_ids": ids}``. Thread-safe as ``process_prompt``; a
+        conversation that cannot fit is refused before templating.
+
+        Args:
+            conversation: ``[{"role": ..., "content": ...}, ...]``.
+            add_generation_prompt: end with the template's opening of an assistant message.
+            continue_final_message: leave the last message open (no end-of-turn token), so
+                that the model continues it (vLLM's semantics: it excludes
+                ``add_generation_prompt``).
 
         Raises:
             ContextLengthExceededError: naming ``messages``: more messages than
                 ``max_model_len`` (each takes at least one token: its role marker), or more
                 characters of content than ``max_prompt_chars``.
-            InvalidRequestError: if the model has no chat template.
+            InvalidRequestError: if the model has no chat template, if both flags are set,
+                or if the template cannot leave the last message open.
         """
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise InvalidRequestError(f"model {self.config.model!r} has no chat template", "messages")
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both "
+                                      "be true: set add_generation_prompt to false to continue the "
+                                      "last message", "continue_final_message")
         max_len = self.config.scheduler.max_model_len
         if len(conversation) >= max_len:
             raise ContextLengthExceededError(
@@ -170,7 +183,12 @@ class LLMEngine:
                 "tokens (each message takes at least one)", "messages")
         self._check_num_chars(sum(len(m["content"]) for m in conversation
                                   if isinstance(m.get("content"), str)), "messages")
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=False)
+        except ValueError as exc:  # transformers: the last message cannot be left open
+            raise InvalidRequestError(f"continue_final_message: {exc}", "continue_final_message") from None
         return self.process_prompt({"prompt": text,
                                     "prompt_token_ids": self.tokenize(text, add_special_tokens=False)})
 
@@ -229,10 +247,25 @@ class LLMEngine:
             return self.output_processor.make_outputs()
         for sequence, token in self.scheduler.update(scheduler_output, runner_output):
             stop = self.output_processor.add_token(sequence, token)
-            if stop is not None and not sequence.status.is_finished:
-                sequence.stop_reason = stop
-                self.scheduler.finish_request(sequence.seq_id, RequestStatus.FINISHED_STOPPED)
+            if stop is not None:
+                self._stop_at_string(sequence, stop)
         return self.output_processor.make_outputs()
+
+    def _stop_at_string(self, sequence: Request, stop: str) -> None:
+        """End a sequence whose new token completed the stop string ``stop``.
+
+        A stop wins over the length limit: when the token that completed the string was also
+        the ``max_tokens``-th, the scheduler has already finished the sequence as 'length'
+        (and freed its blocks); it becomes 'stop' here. A sequence that a stop token or EOS
+        ended keeps that token as its reason (vLLM checks stop strings only when no stop
+        token ended the sequence)."""
+        if sequence.status == RequestStatus.FINISHED_STOPPED:
+            return
+        sequence.stop_reason = stop
+        if sequence.status == RequestStatus.FINISHED_LENGTH:
+            sequence.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_request(sequence.seq_id, RequestStatus.FINISHED_STOPPED)
 
     def _finish_requests(self, request_ids, status: RequestStatus, error: str | None) -> None:
         """End every live sequence of the given requests, freeing their blocks."""

@@ -1,7 +1,9 @@
 """RequestGuard in front of a FastAPI app, called over ASGI directly (no Serve): which routes
 need the API key, a generation request holds a place until its response ends and is refused
 while none is free, a body over the limit is refused before it is read, a stalled body gets
-408, and every refusal is OpenAI's envelope."""
+408, and every refusal is OpenAI's envelope. Then the guard among the service's other rules
+(``install_middleware``): HEAD meets the key as GET does, the key comes before the content
+type."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +17,7 @@ from pydantic import BaseModel
 from app.admission import Admission
 from app.errors import install_error_handlers
 from app.http_guard import RequestGuard
+from app.middleware import install_middleware
 
 KEY = "secret-key"
 LIMIT = 1000
@@ -25,7 +28,9 @@ class Body(BaseModel):
 
 
 def make_app(api_key: str | None = KEY, body_timeout_s: float = 5.0,
-             admission: Admission | None = None) -> FastAPI:
+             admission: Admission | None = None, all_rules: bool = False) -> FastAPI:
+    """The routes below behind ``RequestGuard``, or with ``all_rules`` behind every rule of
+    the service (``install_middleware``)."""
     app = FastAPI()
     admission = admission or Admission(limit=100)
     install_error_handlers(app)
@@ -53,8 +58,12 @@ def make_app(api_key: str | None = KEY, body_timeout_s: float = 5.0,
     async def limit() -> int:
         return LIMIT
 
-    app.add_middleware(RequestGuard, api_key=api_key, admission=admission, max_body_bytes=limit,
-                       body_timeout_s=body_timeout_s)
+    if all_rules:
+        install_middleware(app, api_key=api_key, admission=admission, max_body_bytes=limit,
+                           body_timeout_s=body_timeout_s)
+    else:
+        app.add_middleware(RequestGuard, api_key=api_key, admission=admission, max_body_bytes=limit,
+                           body_timeout_s=body_timeout_s)
     return app
 
 
@@ -196,3 +205,22 @@ def test_a_generation_request_holds_its_place_until_its_response_ends():
     assert call(app, "POST", "/v1/completions", AUTH, [b"{}"])[0] == 400
     assert call(app, "POST", "/v1/completions", {}, OK_BODY)[0] == 401
     assert admission.num_admitted == 0 and call(app, "POST", "/v1/completions", AUTH, OK_BODY)[0] == 200
+
+
+def test_head_meets_the_api_key_as_get_does():
+    app = make_app(all_rules=True)
+    assert call(app, "HEAD", "/health")[:3:2] == (200, b"")  # open, as GET /health
+    status, headers, body, _ = call(app, "HEAD", "/stats")
+    assert (status, body) == (401, b"")  # the 401's status and headers, no body
+    assert headers[b"content-type"] == b"application/json" and int(headers[b"content-length"]) > 0
+    assert call(app, "HEAD", "/stats", AUTH)[:3:2] == (200, b"")
+    assert call(app, "HEAD", "/v1/completions", AUTH)[:3:2] == (405, b"")  # a POST route
+
+
+def test_the_api_key_is_checked_before_the_content_type():
+    app = make_app(all_rules=True)
+    plain = {"content-type": "text/plain"}  # listed before the helper's own JSON type
+    status, _, body, num_read = call(app, "POST", "/v1/completions", plain, OK_BODY)
+    assert (status, num_read, _error(body)["code"]) == (401, 0, "invalid_api_key")
+    status, _, body, num_read = call(app, "POST", "/v1/completions", {**plain, **AUTH}, OK_BODY)
+    assert (status, num_read, _error(body)["code"]) == (400, 0, "unsupported_content_type")

@@ -1,6 +1,7 @@
 """Two engine replicas (ray_configs/serve_multi_replica.yaml): requests reach both; one
 killed mid-load hangs no client and the app recovers. Real HTTP on 127.0.0.1, bounded."""
 import asyncio
+import re
 import time
 
 import aiohttp
@@ -52,6 +53,9 @@ def test_requests_reach_both_replicas(two_replicas):
     assert len(seen) == 2 and set(statuses) == {200}, (seen, statuses)
     replicas = requests.get(two_replicas.url + "/stats", timeout=10).json()["replicas"]
     assert len({r["replica_id"] for r in replicas}) == 2
+    metrics = requests.get(two_replicas.url + "/metrics", timeout=10).text
+    running = re.findall(r'^mini_infer_num_requests_running\{[^}]*replica="([^"]+)"', metrics, re.M)
+    assert sorted(running) == sorted(r["replica_id"] for r in replicas)
 
 
 def test_killing_a_replica_mid_load_hangs_no_client_and_the_app_recovers(two_replicas):

@@ -74,30 +74,37 @@ def test_a_chat_that_fits_is_templated_and_tokenized(llm):
 
 def test_tokenizing_and_templating_run_on_worker_threads(llm, monkeypatch):
     async_llm = AsyncLLM(engine=llm.llm_engine)
-    threads = []
+    calls = []  # (what, thread name, prompt's type)
     for name in ("process_prompt", "chat_prompt"):
         original = getattr(llm.llm_engine, name)
 
-        def record(*args, _original=original, **kwargs):
-            threads.append(threading.current_thread().name)
-            return _original(*args, **kwargs)
+        def record(prompt, *args, _name=name, _original=original, **kwargs):
+            calls.append((_name, threading.current_thread().name, type(prompt).__name__))
+            return _original(prompt, *args, **kwargs)
 
         monkeypatch.setattr(llm.llm_engine, name, record)
 
     async def main():
-        prompt = await async_llm.chat_prompt([{"role": "user", "content": "Hi"}])
         params = SamplingParams(temperature=0.0, max_tokens=2, output_kind=RequestOutputKind.DELTA)
-        return [out async for out in async_llm.generate(prompt, params)]
+        prompt = await async_llm.chat_prompt([{"role": "user", "content": "Hi"}])
+        chat = [out async for out in async_llm.generate(prompt, params)]
+        text = [out async for out in async_llm.generate("Hi there", params)]
+        return chat, text
 
     try:
-        outputs = asyncio.run(main())
+        chat, text = asyncio.run(main())
     finally:
         async_llm.shutdown()
-    assert outputs[-1].finished
-    # chat_prompt, then generate's process_prompt (on the worker), then add_request's
-    # process_prompt of the already tokenized prompt (on the step loop: a length check).
-    assert threads[:2] == [threads[0]] * 2 and threads[0].startswith("engine-tokenizer")
-    assert threads[2:] == ["engine-step-loop"]
+    assert chat[-1].finished and text[-1].finished
+    where = [(what, "worker" if thread.startswith("engine-tokenizer") else thread, kind)
+             for what, thread, kind in calls]
+    assert where == [
+        # The chat: templated and tokenized on a worker (chat_prompt's own process_prompt),
+        # checked again by generate on a worker; the step loop only checks its token ids.
+        ("chat_prompt", "worker", "list"), ("process_prompt", "worker", "dict"),
+        ("process_prompt", "worker", "dict"), ("process_prompt", "engine-step-loop", "dict"),
+        # Text: tokenized by generate on a worker; the step loop gets token ids.
+        ("process_prompt", "worker", "str"), ("process_prompt", "engine-step-loop", "dict")]
 
 
 def test_error_messages_quote_an_excerpt_of_a_large_value():
