@@ -115,7 +115,7 @@ def test_metrics_on_the_http_port_list_every_readme_series_from_the_start(api):
     assert re.search(r'^mini_infer_num_preemptions_total\{[^}]*\} 0\.0$', text, re.M)
     for reason in ("stop", "length", "abort"):
         assert re.search(rf'^mini_infer_request_success_total\{{[^}}]*finished_reason="{reason}"', text, re.M)
-    for status in ("400", "404", "499", "500", "503"):
+    for status in ("400", "401", "404", "408", "413", "499", "500", "503"):
         assert re.search(rf'^mini_infer_http_errors_total\{{status_code="{status}"\}}', text, re.M)
     assert re.search(r'^mini_infer_time_to_first_token_seconds_bucket\{le="\+Inf",', text, re.M)
 
