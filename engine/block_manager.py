@@ -87,6 +87,7 @@ class BlockManager:
         self.block_hashes: list[BlockHash | None] = [None] * num_blocks  # by block id
         self.cached_blocks: dict[BlockHash, int] = {}  # hash -> block id
         self._num_hashed: dict[str, int] = {}  # by seq id: leading table blocks already offered to the cache
+        self._num_free_cached = 0  # kept as a count: stats() reads it from other threads
 
     @property
     def num_free_blocks(self) -> int:
@@ -101,7 +102,7 @@ class BlockManager:
     @property
     def num_free_cached_blocks(self) -> int:
         """Free blocks that still hold a cached prefix block."""
-        return sum(1 for block_id in self.cached_blocks.values() if self.ref_counts[block_id] == 0)
+        return self._num_free_cached
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
@@ -195,6 +196,7 @@ class BlockManager:
         if block_hash is not None:
             del self.cached_blocks[block_hash]
             self.block_hashes[block_id] = None
+            self._num_free_cached -= 1
         self.ref_counts[block_id] = 1
         return block_id
 
@@ -204,6 +206,8 @@ class BlockManager:
             self.free_block_queue[block_id] = None  # the tail: kept as long as possible
             if self.block_hashes[block_id] is None:
                 self.free_block_queue.move_to_end(block_id, last=False)  # reused first
+            else:
+                self._num_free_cached += 1
 
     # ---- the prefix cache ----------------------------------------------------------------
 
@@ -255,6 +259,7 @@ class BlockManager:
         for block_id in taken:
             if self.ref_counts[block_id] == 0:
                 del self.free_block_queue[block_id]
+                self._num_free_cached -= 1
             self.ref_counts[block_id] += 1
         self.block_tables[seq_id] = taken
         self._num_hashed[seq_id] = len(taken)
@@ -292,6 +297,7 @@ class BlockManager:
         for block_id in self.cached_blocks.values():
             self.block_hashes[block_id] = None
         self.cached_blocks.clear()
+        self._num_free_cached = 0
         return num_blocks
 
     # ---- debugging -----------------------------------------------------------------------
@@ -319,6 +325,9 @@ class BlockManager:
         num_hashed = sum(h is not None for h in self.block_hashes)
         _require(num_hashed == len(self.cached_blocks),
                  f"{num_hashed} blocks carry a hash, {len(self.cached_blocks)} hashes are cached")
+        num_free_cached = sum(1 for b in self.cached_blocks.values() if refs[b] == 0)
+        _require(num_free_cached == self._num_free_cached,
+                 f"{num_free_cached} free cached blocks, counted {self._num_free_cached}")
 
 
 def _require(ok: bool, message: str) -> None:
