@@ -185,7 +185,7 @@ class Scheduler:
             copy = bm.admit(request.seq_id, hits, num_cached, num_cached + num_new)
             if copy is not None:
                 scheduler_output.blocks_to_copy.append(copy)
-            self._record_cache_hit(request, num_cached)
+            self._start_after_cached_prefix(request, num_cached)
             self.running.append(request)
             self._add_scheduled(scheduler_output, request, num_new)
             budget -= num_new
@@ -198,7 +198,7 @@ class Scheduler:
         hits = self.block_manager.find_cached_prefix(self._block_hashes(request))
         return hits, min(len(hits) * self.block_manager.block_size, request.num_tokens - 1)
 
-    def _record_cache_hit(self, request: Request, num_cached: int) -> None:
+    def _start_after_cached_prefix(self, request: Request, num_cached: int) -> None:
         request.num_computed_tokens = num_cached
         if request.num_cached_tokens is None:  # the first admission's, as vLLM reports it
             request.num_cached_tokens = num_cached

@@ -12,7 +12,7 @@ BLOCK_SIZE = 16  # the served default
 def _system_prompt(tokenizer) -> str:
     """About 400 tokens no earlier request has sent (it starts with a fresh id)."""
     text = f"Session {uuid.uuid4().hex}. You are a patient tutor of geography. " + " ".join(
-        f"Rule {i}: answer in one sentence and name the country." for i in range(40))
+        f"Rule {i}: answer in one sentence and name the country." for i in range(27))
     assert 390 <= len(tokenizer(text).input_ids) <= 460
     return text
 
@@ -22,9 +22,10 @@ def _chat(system: str, question: str) -> list[dict]:
 
 
 def _num_shared_full_blocks_tokens(tokenizer, first: list[dict], second: list[dict]) -> int:
-    """Tokens of the full blocks the two templated prompts have in common."""
-    a, b = (tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True) for m in (first, second))
-    a, b = (x["input_ids"] if isinstance(x, dict) else x for x in (a, b))
+    """Tokens of the full blocks the two templated prompts have in common (templated and
+    tokenized as the engine does)."""
+    a, b = (tokenizer(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False).input_ids for m in (first, second))
     common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
     return common // BLOCK_SIZE * BLOCK_SIZE
 
