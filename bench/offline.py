@@ -287,15 +287,22 @@ def _plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     systems = [s for s in result["systems"] if "seconds" in s]
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    bars = ax.bar([s["system"] for s in systems], [s["output_tokens_per_s"] for s in systems],
-                  color=["tab:green", "tab:olive"] + ["tab:gray"] * (len(systems) - 2))
+    names = [s["system"].replace("-no-", "\nno-") for s in systems]
+    colors = ["tab:green", "tab:olive"] + ["tab:gray"] * (len(systems) - 2)
+    fig, (ax, ttft) = plt.subplots(1, 2, figsize=(11, 3.8), width_ratios=(3, 2))
+    bars = ax.bar(names, [s["output_tokens_per_s"] for s in systems], color=colors)
     for bar, s in zip(bars, systems, strict=True):
-        ax.annotate(f"{s['output_tokens_per_s']:.0f}\n({100 * s['roofline_fraction']:.0f}% roof)",
+        ax.annotate(f"{s['output_tokens_per_s']:.1f}\n({100 * s['roofline_fraction']:.0f}% roof)",
                     (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"{result['workload']}: {result['model']}, {result['dtype']}, {result['device']}", fontsize=9)
     ax.margins(y=0.25)
+    ax.tick_params(axis="x", labelsize=7)
+    bars = ttft.bar(names, [s["ttft_s"]["p50"] for s in systems], color=colors)
+    ttft.bar_label(bars, fmt="%.1f", fontsize=8)
+    ttft.set_ylabel("TTFT p50, s (all arrive at t = 0)")
+    ttft.margins(y=0.2)
+    ttft.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
