@@ -11,12 +11,13 @@ from typing import Any
 import ray
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import BackpressureConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from app.config import AppConfig
 from app.engine_server import EngineServer
 from app.errors import RETRY_AFTER_S
 from app.ingress import OpenAIIngress
+from app.router import PrefixAwareRouter
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -41,12 +42,24 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         ray_actor_options=engine_actor_options(config),
         max_ongoing_requests=config.engine_max_ongoing_requests,
         max_queued_requests=config.max_admitted_requests, backpressure_config=backpressure,
-        health_check_period_s=5, health_check_timeout_s=30)
+        health_check_period_s=5, health_check_timeout_s=30,
+        request_router_config=request_router_config(config))
     ingress = OpenAIIngress.options(
         num_replicas=config.num_ingress_replicas, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=config.ingress_max_ongoing_requests,
         max_queued_requests=config.ingress_max_ongoing_requests, backpressure_config=backpressure)
     return ingress.bind(engine.bind(config), config)
+
+
+def request_router_config(config: AppConfig) -> RequestRouterConfig:
+    """The engine deployment's request router (``AppConfig.request_router``): ours
+    (``app.router.PrefixAwareRouter``) or Serve's default (power of two choices)."""
+    if config.resolved_request_router == "pow2":
+        return RequestRouterConfig()
+    return RequestRouterConfig(
+        request_router_class=PrefixAwareRouter,
+        request_router_kwargs={"block_size": config.block_size,
+                               "imbalanced_threshold": config.router_imbalanced_threshold})
 
 
 def engine_actor_options(config: AppConfig) -> dict:
@@ -85,4 +98,5 @@ def __getattr__(name: str):
         return _default_deployment()
     raise AttributeError(f"module 'app' has no attribute {name!r}")
 
-__all__ = ["AppConfig", "build_app", "deployment", "engine_actor_options", "engine_wants_gpu"]
+__all__ = ["AppConfig", "build_app", "deployment", "engine_actor_options", "engine_wants_gpu",
+           "request_router_config"]

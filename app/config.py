@@ -44,6 +44,14 @@ class ServiceSettings(BaseModel):
     num_ingress_replicas: int = Field(1, ge=1, description="OpenAI front-end replicas.")
     engine_num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per engine replica "
                                    "on CPU-only nodes.")
+    request_router: Literal["prefix", "pow2"] | None = Field(
+        None, description="How requests are spread over engine replicas: `prefix` sends a request "
+        "to the replica that holds the longest part of its prompt prefix while load is balanced "
+        "(app.router), `pow2` is Serve's power of two choices. Default: `prefix` with more than one "
+        "engine replica (num_engine_replicas), else `pow2`.")
+    router_imbalanced_threshold: int = Field(
+        16, ge=0, description="`prefix` router: ongoing requests between the most and the least "
+        "loaded engine replica beyond which load decides, not the prefix.")
     api_key: str | None = Field(None, description="If set, every route but /health needs "
                                 "`Authorization: Bearer <api_key>`.")
     max_request_body_bytes: int | None = Field(
@@ -74,6 +82,13 @@ class ServiceSettings(BaseModel):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def resolved_request_router(self) -> str:
+        """``request_router``, or its default: ``prefix`` with more than one engine replica."""
+        if self.request_router is not None:
+            return self.request_router
+        return "prefix" if self.num_engine_replicas > 1 else "pow2"
 
     @property
     def engine_max_ongoing_requests(self) -> int:

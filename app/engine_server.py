@@ -58,6 +58,7 @@ class EngineServer:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside Serve (tests): any unique name will do
             self.replica_id = uuid.uuid4().hex[:8]
+        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         self.metrics = EngineMetrics(config.model_name, self.replica_id)
         tokenizer = self.llm.engine.tokenizer
         self.token_bytes = None if tokenizer is None else TokenBytes(tokenizer)
@@ -163,7 +164,9 @@ class EngineServer:
         return True
 
     def stats(self) -> dict:
-        return {**self.llm.stats(), "replica_id": self.replica_id}
+        """The engine's counters (``LLMEngine.stats``), this replica's id and its Ray node's id
+        (``None`` outside Ray)."""
+        return {**self.llm.stats(), "replica_id": self.replica_id, "node_id": self.node_id}
 
     def limits(self) -> dict:
         """What the ingress sizes its own limits from: ``max_model_len`` (resolved from the

@@ -1,0 +1,215 @@
+"""Prefix-aware routing of requests to engine replicas, on Ray Serve's request-router API.
+
+Each engine replica has its own prefix cache (``engine.block_manager``): a request whose
+prompt starts like one a replica served before reuses that replica's KV blocks, and only that
+replica's. ``PrefixAwareRouter`` sends a request to the replica most likely to hold its
+prefix, from what it routed there: per replica, the chained hashes of the block-aligned
+chunks of the prompts it sent (``PrefixIndex``, least recently used entries age out).
+
+The decision, per request (SGLang's cache-aware router and Ray Serve LLM's
+``PrefixCacheAffinityRouter`` make the same trade-off between hits and balance):
+
+1. load imbalanced (the spread of the replicas' ongoing requests is over
+   ``imbalanced_threshold``): power of two choices, Serve's default;
+2. else the replicas with the longest matching prefix (at least one chunk);
+3. else (a new prefix) the least loaded replicas.
+
+Serve then takes the least loaded of the chosen replicas that has room, and falls back to a
+power-of-two pair of the others when none has.
+
+The router runs inside every ``DeploymentHandle`` of the engine deployment (each ingress
+replica has its own), so each ingress replica's index covers the requests it routed: with
+several ingress replicas the match is approximate, never wrong (a miss costs a prefill).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+# Approximate bytes of text per token of a byte-level BPE tokenizer on English text (about 4
+# for GPT-2's and SmolLM2's): text chunks of block_size * this many bytes stand for one KV
+# block each.
+BYTES_PER_TOKEN = 4
+# Chunks hashed per request: a match longer than this adds nothing to the choice of replica.
+MAX_PREFIX_CHUNKS = 256
+
+
+def prefix_hashes(prompt: dict, cache_salt: str | None, block_size: int,
+                  max_chunks: int = MAX_PREFIX_CHUNKS) -> list[bytes]:
+    """Chained hashes of a prompt's full block-aligned chunks, first chunk first.
+
+    A chunk is ``block_size`` token ids (``prompt_token_ids``) or ``block_size *
+    BYTES_PER_TOKEN`` bytes of UTF-8 text (``prompt``, or ``messages`` in a canonical JSON
+    form, one message after the other, so that a conversation's next turn starts with the
+    same bytes as the turn before: the same prefix property as the chat template's text,
+    without a tokenizer in the ingress). Each hash covers its chunk and every chunk before
+    it, and ``cache_salt`` enters the first, as in the engine's block hashes: equal hashes
+    mean equal prefixes (sha256, collision resistant).
+
+    Args:
+        prompt: ``EngineServer.generate``'s prompt: ``{"prompt": str}``,
+            ``{"prompt_token_ids": list[int]}`` or ``{"messages": [...], ...}``.
+        cache_salt: the request's salt, or ``None``.
+        block_size: tokens per KV block.
+        max_chunks: at most this many hashes.
+
+    Returns:
+        Up to ``max_chunks`` 16-byte digests; empty for a prompt shorter than one chunk.
+    """
+    if "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        kind = b"ids"
+        chunks = (b",".join(str(i).encode() for i in ids[start:start + block_size])
+                  for start in range(0, (len(ids) // block_size) * block_size, block_size))
+    else:
+        if "messages" in prompt:
+            kind = b"chat"
+            data = b"".join(json.dumps(m, sort_keys=True, ensure_ascii=False).encode() + b"\n"
+                            for m in prompt["messages"])
+        else:
+            kind = b"text"
+            data = str(prompt.get("prompt", "")).encode()
+        size = block_size * BYTES_PER_TOKEN
+        chunks = (data[start:start + size] for start in range(0, (len(data) // size) * size, size))
+    parent = hashlib.sha256(kind + b"\0" + (cache_salt or "").encode()).digest()
+    hashes = []
+    for chunk in chunks:
+        if len(hashes) == max_chunks:
+            break
+        parent = hashlib.sha256(parent + chunk).digest()[:16]
+        hashes.append(parent)
+    return hashes
+
+
+class PrefixIndex:
+    """Which prefix hashes were routed to which replica, at most ``max_entries`` (replica,
+    hash) pairs: the least recently routed pair goes first.
+
+    Args:
+        max_entries: the bound on entries (each about 200 bytes of Python objects).
+
+    Raises:
+        ValueError: ``max_entries`` < 1.
+    """
+
+    def __init__(self, max_entries: int) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1; got {max_entries}")
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[Hashable, bytes], None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def insert(self, replica: Hashable, hashes: Sequence[bytes]) -> None:
+        """Record that ``replica`` was sent a prompt with these prefix hashes (now the most
+        recent); evicts the oldest entries beyond ``max_entries``."""
+        for h in hashes:
+            key = (replica, h)
+            self._entries[key] = None
+            self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def match(self, hashes: Sequence[bytes], replicas: Iterable[Hashable]) -> dict[Hashable, int]:
+        """For each replica, how many of ``hashes`` (from the first) it was sent."""
+        matches = {}
+        for replica in replicas:
+            n = 0
+            while n < len(hashes) and (replica, hashes[n]) in self._entries:
+                n += 1
+            matches[replica] = n
+        return matches
+
+    def remove(self, replica: Hashable) -> None:
+        """Forget a replica (gone: its cache went with it)."""
+        for key in [key for key in self._entries if key[0] == replica]:
+            del self._entries[key]
+
+
+class PrefixAwareRouter(RequestRouter):
+    """Ray Serve request router for the engine deployment (``request_router: prefix``):
+    the longest prefix match while load is balanced, power of two choices when it is not.
+
+    Serve builds it with the deployment's ``request_router_config`` and passes
+    ``request_router_kwargs`` to ``initialize_state``.
+    """
+
+    def initialize_state(self, block_size: int = 16, imbalanced_threshold: int = 16,
+                         max_entries: int = 200_000) -> None:
+        """Args:
+            block_size: the engine's tokens per KV block (``EngineConfig.block_size``).
+            imbalanced_threshold: ongoing requests between the most and the least loaded
+                replica beyond which the router balances load instead of matching prefixes.
+            max_entries: ``PrefixIndex``'s bound: (replica, chunk hash) pairs remembered.
+        """
+        self.block_size = block_size
+        self.imbalanced_threshold = imbalanced_threshold
+        self.index = PrefixIndex(max_entries)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        """Ranks of replicas, most preferred first (Serve takes the least loaded replica with
+        room in the first rank that has one)."""
+        pair = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
+        hashes = self._hashes(pending_request)
+        if not hashes or len(candidate_replicas) < 2:
+            return [pair]
+        loads = await self._queue_lens(candidate_replicas)
+        if not loads or max(loads.values()) - min(loads.values()) > self.imbalanced_threshold:
+            return [pair]
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        matches = self.index.match(hashes, by_id)
+        longest = max(matches.values())
+        if longest > 0:
+            preferred = [by_id[i] for i, n in matches.items() if n == longest]
+        else:
+            least = min(loads.values())
+            preferred = [by_id[i] for i, load in loads.items() if load == least]
+        rest = [r for r in candidate_replicas if r not in preferred]
+        return [preferred, random.sample(rest, min(2, len(rest)))]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        """Serve's hook once a request is sent: remember its prefix on that replica."""
+        hashes = self._hashes(pending_request)
+        if hashes:
+            self.index.insert(replica_id, hashes)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        gone = set(self._replicas) - {r.replica_id for r in replicas}
+        super().update_replicas(replicas)
+        for replica_id in gone:
+            self.index.remove(replica_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.index.remove(replica_id)
+
+    def _hashes(self, pending_request: PendingRequest | None) -> list[bytes]:
+        """The request's prefix hashes; none for calls other than ``generate(prompt,
+        params, ...)`` (``/ready``'s one-token probe is one too: it has no full chunk)."""
+        args = pending_request.args if pending_request is not None else ()
+        if len(args) < 2 or not isinstance(args[0], dict):
+            return []
+        return prefix_hashes(args[0], getattr(args[1], "cache_salt", None), self.block_size)
+
+    async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[ReplicaID, int]:
+        """Ongoing requests per replica: Serve's cached queue lengths, probed where missing
+        (a replica that does not answer is left out)."""
+        loads, unknown = {}, []
+        cache = self._replica_queue_len_cache
+        for r in replicas:
+            queue_len = cache.get(r.replica_id) if self._use_replica_queue_len_cache else None
+            if queue_len is None:
+                unknown.append(r)
+            else:
+                loads[r.replica_id] = queue_len
+        for r, queue_len in await self._probe_queue_lens(unknown, 0) if unknown else ():
+            if queue_len is not None:
+                loads[r.replica_id] = queue_len
+        return loads

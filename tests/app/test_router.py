@@ -1,0 +1,156 @@
+"""The prefix-aware request router (app.router): its hashes, its bounded index and its
+choices, on Serve's RequestRouter with stand-in replicas (no Ray cluster); and the setting
+that selects it. Over HTTP with two replicas: tests/e2e/test_cluster.py."""
+import asyncio
+
+import pytest
+from pydantic import ValidationError
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve.request_router import PendingRequest, ReplicaID
+
+from app import AppConfig, request_router_config
+from app.router import BYTES_PER_TOKEN, PrefixAwareRouter, PrefixIndex, prefix_hashes
+from engine.sampling_params import SamplingParams
+
+DEPLOYMENT = DeploymentID(name="EngineServer", app_name="default")
+
+
+def test_token_id_prefix_hashes_cover_full_blocks_and_chain():
+    ids = list(range(100, 150))  # 50 tokens: 3 full blocks of 16
+    hashes = prefix_hashes({"prompt_token_ids": ids}, None, 16)
+    assert len(hashes) == 3 and len(set(hashes)) == 3
+    assert prefix_hashes({"prompt_token_ids": ids[:32]}, None, 16) == hashes[:2]
+    assert prefix_hashes({"prompt_token_ids": ids[:15]}, None, 16) == []
+    # A different first block changes every later hash (chained), as does a salt.
+    other = prefix_hashes({"prompt_token_ids": [7] + ids[1:]}, None, 16)
+    assert not set(other) & set(hashes)
+    assert not set(prefix_hashes({"prompt_token_ids": ids}, "tenant-a", 16)) & set(hashes)
+    assert prefix_hashes({"prompt_token_ids": ids}, None, 16, max_chunks=2) == hashes[:2]
+
+
+def test_text_and_chat_prefix_hashes():
+    chunk = 16 * BYTES_PER_TOKEN
+    text = "x" * (2 * chunk + 5)
+    assert len(prefix_hashes({"prompt": text}, None, 16)) == 2
+    assert prefix_hashes({"prompt": text[:chunk]}, None, 16) == prefix_hashes({"prompt": text}, None, 16)[:1]
+    # A conversation's next turn starts with the hashes of the turn before.
+    turn1 = [{"role": "system", "content": "You answer about document 7. " * 10},
+             {"role": "user", "content": "What is it about?"}]
+    turn2 = turn1 + [{"role": "assistant", "content": "A cat."}, {"role": "user", "content": "Why?"}]
+    first = prefix_hashes({"messages": turn1, "add_generation_prompt": True}, None, 16)
+    second = prefix_hashes({"messages": turn2, "add_generation_prompt": True}, None, 16)
+    assert len(first) >= 4 and second[:len(first)] == first
+    # Text and chat prompts of the same bytes do not share hashes; nor do token ids.
+    assert not set(prefix_hashes({"prompt": "a" * chunk}, None, 16)) & set(
+        prefix_hashes({"messages": [{"role": "user", "content": "a" * chunk}]}, None, 16))
+
+
+def test_prefix_index_matches_from_the_first_hash_and_stays_bounded():
+    index = PrefixIndex(max_entries=5)
+    index.insert("r1", [b"a", b"b", b"c"])
+    index.insert("r2", [b"a"])
+    assert index.match([b"a", b"b", b"c", b"d"], ["r1", "r2", "r3"]) == {"r1": 3, "r2": 1, "r3": 0}
+    assert index.match([b"a", b"z", b"c"], ["r1"]) == {"r1": 1}  # a match ends at the first miss
+    index.insert("r3", [b"x", b"y"])  # 6 entries: the oldest, (r1, a), ages out
+    assert len(index) == 5
+    assert index.match([b"a", b"b"], ["r1", "r2"]) == {"r1": 0, "r2": 1}
+    for n in range(1000):
+        index.insert("r1", [n.to_bytes(4, "big")])
+    assert len(index) == 5
+    index.remove("r1")
+    assert len(index) == 0
+    with pytest.raises(ValueError, match="max_entries"):
+        PrefixIndex(0)
+
+
+class FakeReplica:
+    """What the router reads of Serve's ``RunningReplica``."""
+
+    def __init__(self, name: str) -> None:
+        self.replica_id = ReplicaID(unique_id=name, deployment_id=DEPLOYMENT)
+        self.max_ongoing_requests = 100
+        self.queue_len = 0
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return self.queue_len
+
+
+def _request(prompt: dict, salt: str | None = None) -> PendingRequest:
+    return PendingRequest(args=[prompt, SamplingParams(cache_salt=salt)], kwargs={},
+                          metadata=RequestMetadata(request_id="r", internal_request_id="r"))
+
+
+async def _router(replicas, **kwargs) -> PrefixAwareRouter:
+    router = PrefixAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA,
+                               use_replica_queue_len_cache=True)
+    router.initialize_state(**kwargs)
+    router.update_replicas(replicas)
+    await asyncio.sleep(0)
+    return router
+
+
+def _set_loads(router, replicas, loads) -> None:
+    for replica, load in zip(replicas, loads, strict=True):
+        replica.queue_len = load
+        router.replica_queue_len_cache.update(replica.replica_id, load)
+
+
+def _names(ranks) -> list[list[str]]:
+    return [sorted(r.replica_id.unique_id for r in rank) for rank in ranks]
+
+
+def test_router_prefers_the_longest_match_while_balanced_else_least_load():
+    async def main():
+        replicas = [FakeReplica("r1"), FakeReplica("r2"), FakeReplica("r3")]
+        router = await _router(replicas, block_size=16, imbalanced_threshold=4)
+        ids = list(range(64))
+        first = _request({"prompt_token_ids": ids[:40]})
+        # A new prefix: the least loaded replica first, then a pair of the others.
+        _set_loads(router, replicas, [2, 0, 1])
+        ranks = await router.choose_replicas(replicas, first)
+        assert _names(ranks)[0] == ["r2"] and len(ranks[1]) == 2
+        router.on_request_routed(first, replicas[1].replica_id, None)
+        # The same prefix, longer: r2 holds it, though now the most loaded (within 4).
+        _set_loads(router, replicas, [0, 3, 1])
+        longer = _request({"prompt_token_ids": ids})
+        assert _names(await router.choose_replicas(replicas, longer))[0] == ["r2"]
+        # Another salt is another prefix: least load again.
+        salted = _request({"prompt_token_ids": ids}, salt="tenant-b")
+        assert _names(await router.choose_replicas(replicas, salted))[0] == ["r1"]
+        # Imbalanced (spread 5 > 4): power of two choices, one rank of two random replicas.
+        _set_loads(router, replicas, [0, 5, 1])
+        ranks = await router.choose_replicas(replicas, longer)
+        assert len(ranks) == 1 and len(ranks[0]) == 2
+        # A prompt without one full block: power of two choices too.
+        assert len(await router.choose_replicas(replicas, _request({"prompt_token_ids": ids[:8]}))) == 1
+        # A replica that goes away takes its entries with it.
+        router.update_replicas([replicas[0], replicas[2]])
+        assert len(router.index) == 0
+
+    asyncio.run(main())
+
+
+def test_router_probes_replicas_missing_from_the_queue_length_cache():
+    async def main():
+        replicas = [FakeReplica("r1"), FakeReplica("r2")]
+        router = await _router(replicas)
+        replicas[0].queue_len, replicas[1].queue_len = 7, 2
+        for r in replicas:
+            router.replica_queue_len_cache.invalidate_key(r.replica_id)
+        ranks = await router.choose_replicas(replicas, _request({"prompt": "y" * 200}))
+        assert _names(ranks) == [["r2"], ["r1"]]
+
+    asyncio.run(main())
+
+
+def test_request_router_setting():
+    assert AppConfig.load({}).resolved_request_router == "pow2"
+    assert AppConfig.load({"num_engine_replicas": 2}).resolved_request_router == "prefix"
+    two = AppConfig.load({"num_engine_replicas": 2, "request_router": "pow2"})
+    assert request_router_config(two).is_default_request_router()
+    prefix = request_router_config(AppConfig.load({"request_router": "prefix", "block_size": 32,
+                                                   "router_imbalanced_threshold": 3}))
+    assert prefix.request_router_class == "app.router.PrefixAwareRouter"
+    assert prefix.request_router_kwargs == {"block_size": 32, "imbalanced_threshold": 3}
+    with pytest.raises(ValidationError, match="request_router"):
+        AppConfig.load({"request_router": "round_robin"})
