@@ -12,7 +12,8 @@ The decision, per request (SGLang's cache-aware router and Ray Serve LLM's
 1. load imbalanced (the spread of the replicas' ongoing requests is over
    ``imbalanced_threshold``): power of two choices, Serve's default;
 2. else the replicas with the longest matching prefix (at least one chunk);
-3. else (a new prefix) the least loaded replicas.
+3. else (a new prefix) the least loaded replicas, and of those the ones that hold the fewest
+   prefixes.
 
 Serve then takes the least loaded of the chosen replicas that has room, and falls back to a
 power-of-two pair of the others when none has.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -102,19 +103,28 @@ class PrefixIndex:
             raise ValueError(f"max_entries must be >= 1; got {max_entries}")
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple[Hashable, bytes], None] = OrderedDict()
+        self._sizes: Counter[Hashable] = Counter()
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def size(self, replica: Hashable) -> int:
+        """Entries of ``replica``."""
+        return self._sizes[replica]
 
     def insert(self, replica: Hashable, hashes: Sequence[bytes]) -> None:
         """Record that ``replica`` was sent a prompt with these prefix hashes (now the most
         recent); evicts the oldest entries beyond ``max_entries``."""
         for h in hashes:
             key = (replica, h)
-            self._entries[key] = None
-            self._entries.move_to_end(key)
+            if key in self._entries:
+                self._entries.move_to_end(key)
+            else:
+                self._entries[key] = None
+                self._sizes[replica] += 1
         while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+            (oldest, _), _ = self._entries.popitem(last=False)
+            self._sizes[oldest] -= 1
 
     def match(self, hashes: Sequence[bytes], replicas: Iterable[Hashable]) -> dict[Hashable, int]:
         """For each replica, how many of ``hashes`` (from the first) it was sent."""
@@ -130,6 +140,7 @@ class PrefixIndex:
         """Forget a replica (gone: its cache went with it)."""
         for key in [key for key in self._entries if key[0] == replica]:
             del self._entries[key]
+        del self._sizes[replica]
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -168,9 +179,9 @@ class PrefixAwareRouter(RequestRouter):
         longest = max(matches.values())
         if longest > 0:
             preferred = [by_id[i] for i, n in matches.items() if n == longest]
-        else:
-            least = min(loads.values())
-            preferred = [by_id[i] for i, load in loads.items() if load == least]
+        else:  # a new prefix: least load, then the fewest prefixes held (spreads prefixes)
+            least = min((load, self.index.size(i)) for i, load in loads.items())
+            preferred = [by_id[i] for i, load in loads.items() if (load, self.index.size(i)) == least]
         rest = [r for r in candidate_replicas if r not in preferred]
         return [preferred, random.sample(rest, min(2, len(rest)))]
 

@@ -52,13 +52,13 @@ def test_prefix_index_matches_from_the_first_hash_and_stays_bounded():
     assert index.match([b"a", b"b", b"c", b"d"], ["r1", "r2", "r3"]) == {"r1": 3, "r2": 1, "r3": 0}
     assert index.match([b"a", b"z", b"c"], ["r1"]) == {"r1": 1}  # a match ends at the first miss
     index.insert("r3", [b"x", b"y"])  # 6 entries: the oldest, (r1, a), ages out
-    assert len(index) == 5
+    assert len(index) == 5 and (index.size("r1"), index.size("r2"), index.size("r3")) == (2, 1, 2)
     assert index.match([b"a", b"b"], ["r1", "r2"]) == {"r1": 0, "r2": 1}
     for n in range(1000):
         index.insert("r1", [n.to_bytes(4, "big")])
-    assert len(index) == 5
+    assert len(index) == 5 and index.size("r1") == 5 and index.size("r3") == 0
     index.remove("r1")
-    assert len(index) == 0
+    assert len(index) == 0 and index.size("r1") == 0
     with pytest.raises(ValueError, match="max_entries"):
         PrefixIndex(0)
 
@@ -114,9 +114,12 @@ def test_router_prefers_the_longest_match_while_balanced_else_least_load():
         _set_loads(router, replicas, [0, 3, 1])
         longer = _request({"prompt_token_ids": ids})
         assert _names(await router.choose_replicas(replicas, longer))[0] == ["r2"]
-        # Another salt is another prefix: least load again.
+        # Another salt is another prefix: least load again, and of equal loads the replica
+        # that holds fewer prefixes.
         salted = _request({"prompt_token_ids": ids}, salt="tenant-b")
         assert _names(await router.choose_replicas(replicas, salted))[0] == ["r1"]
+        _set_loads(router, replicas, [0, 0, 0])
+        assert _names(await router.choose_replicas(replicas, salted))[0] == ["r1", "r3"]
         # Imbalanced (spread 5 > 4): power of two choices, one rank of two random replicas.
         _set_loads(router, replicas, [0, 5, 1])
         ranks = await router.choose_replicas(replicas, longer)

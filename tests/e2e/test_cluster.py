@@ -1,0 +1,165 @@
+"""Scale-out on a real two-node Ray cluster (tests/cluster.py: a head and a worker raylet on
+this machine): the prefix-aware router against Serve's power of two choices, autoscaling
+1 -> 2 -> 1 under a burst, and the loss of the worker node. Traffic to 127.0.0.1 only, every
+request bounded by a client timeout; the cluster is stopped at the end of the module."""
+import asyncio
+import random
+import time
+
+import aiohttp
+import pytest
+from ray import serve
+
+from tests.cluster import URL, TwoNodeCluster, load_config
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+WORDS = ("river stone cloud engine garden ticket silver forest lamp window harbor violin "
+         "pepper canyon marble rocket orchard candle meadow bridge").split()
+TIMEOUT_S = 60  # no client waits longer than this for an answer
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with TwoNodeCluster() as c:
+        yield c
+
+
+def conversation_opening(i: int) -> str:
+    """A system prompt of about 200 tokens that only conversation ``i`` has."""
+    rng = random.Random(i)
+    return f"Conversation {i}. Notes: " + " ".join(rng.choice(WORDS) for _ in range(180))
+
+
+async def _post(session, body: dict) -> tuple[int, dict, str | None]:
+    """A chat completion: its status, its JSON body and the replica that served it."""
+    async with session.post(URL + "/v1/chat/completions", json=body,
+                            timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as response:
+        return response.status, await response.json(content_type=None), response.headers.get("x-mini-infer-replica")
+
+
+async def run_conversations(num_conversations: int, num_turns: int, concurrency: int) -> list[str]:
+    """Multi-turn chats, each turn resending the conversation so far, in rounds: every
+    conversation's first turn, then every second turn, ... (other users' requests come
+    between two turns of one user, as when people read and type); returns the replica of
+    every turn. Raises on any answer but 200."""
+    replicas = []
+    limit = asyncio.Semaphore(concurrency)
+    chats = [[{"role": "system", "content": conversation_opening(i)}] for i in range(num_conversations)]
+
+    async def turn(session, messages, n):
+        messages.append({"role": "user", "content": f"Question {n}: which word comes first?"})
+        async with limit:
+            status, body, replica = await _post(session, {"model": MODEL, "messages": messages,
+                                                          "max_tokens": 8, "temperature": 0})
+        assert status == 200, body
+        replicas.append(replica)
+        messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+
+    async with aiohttp.ClientSession() as session:
+        for n in range(num_turns):
+            await asyncio.gather(*(turn(session, messages, n) for messages in chats))
+    return replicas
+
+
+def hit_rate(stats: list[dict]) -> float:
+    """The cluster's prefix-cache hit rate: hit tokens over looked-up tokens, all replicas."""
+    return sum(s["prefix_cache_hits"] for s in stats) / sum(s["prefix_cache_queries"] for s in stats)
+
+
+def test_prefix_router_raises_the_hit_rate_and_still_spreads_load(cluster):
+    """32 conversations x 3 turns: with ``prefix`` a conversation's turns meet their cached
+    prefix; with ``pow2`` a turn lands on the replica that holds it about half the time."""
+    results = {}
+    for router in ("prefix", "pow2"):
+        cluster.deploy(load_config("serve_multi_replica.yaml", args={"request_router": router}), 2)
+        replicas = asyncio.run(run_conversations(32, 3, concurrency=8))
+        shares = {r: replicas.count(r) / len(replicas) for r in set(replicas)}
+        results[router] = (hit_rate(cluster.stats()), shares)
+        cluster.delete_app()
+    print(results)
+    (prefix_rate, prefix_shares), (pow2_rate, _) = results["prefix"], results["pow2"]
+    assert prefix_rate >= 1.4 * pow2_rate, results
+    assert len(prefix_shares) == 2 and max(prefix_shares.values()) <= 0.65, results
+
+
+def _engine_replicas() -> dict:
+    status = serve.status().applications["default"].deployments["EngineServer"]
+    return dict(status.replica_states)
+
+
+def test_autoscaling_scales_out_under_a_burst_and_back_when_idle(cluster):
+    cluster.deploy(load_config("serve_autoscaling.yaml"), 1)
+    assert _engine_replicas() == {"RUNNING": 1}
+    body = {"model": MODEL, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Count to ten."}]}
+
+    async def burst_until_two_replicas():
+        statuses = []
+        async with aiohttp.ClientSession() as session:
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                statuses += [s for s, _, _ in await asyncio.gather(*(_post(session, body) for _ in range(12)))]
+                if _engine_replicas().get("RUNNING") == 2:
+                    # Both replicas serve: a last wave reaches the new one too.
+                    statuses += [s for s, _, _ in await asyncio.gather(*(_post(session, body) for _ in range(12)))]
+                    return statuses, True
+        return statuses, False
+
+    statuses, scaled_out = asyncio.run(burst_until_two_replicas())
+    assert scaled_out, _engine_replicas()
+    assert set(statuses) == {200}, statuses
+    deadline = time.monotonic() + 120
+    while _engine_replicas() != {"RUNNING": 1} and time.monotonic() < deadline:
+        time.sleep(2)
+    assert _engine_replicas() == {"RUNNING": 1}
+    cluster.delete_app()
+
+
+def test_two_nodes_serve_and_losing_one_is_survived(cluster):
+    """One engine replica per node; the worker node is killed under load: every client gets
+    an answer or an OpenAI error within TIMEOUT_S, the service answers again from the head's
+    replica within 60 s, and that replica ends with no KV block in use."""
+    config = load_config("serve_multi_replica.yaml", engine={"max_replicas_per_node": 1},
+                         ingress={"ray_actor_options": {"num_cpus": 0, "resources": {"node_a": 0.01}}})
+    cluster.deploy(config, 2)
+    assert {s["node_id"] for s in cluster.stats()} == {cluster.head_node_id, cluster.worker_node_id}
+
+    async def client(session, i, stop_at, outcomes):
+        while time.monotonic() < stop_at:
+            body = {"model": MODEL, "max_tokens": 24, "temperature": 0,
+                    "messages": [{"role": "user", "content": f"Tell me about the number {i}."}]}
+            status, answer, _ = await _post(session, body)
+            outcomes.append((status, answer))
+
+    async def main():
+        outcomes = []
+        async with aiohttp.ClientSession() as session:
+            stop_at = time.monotonic() + 15
+            clients = [asyncio.create_task(client(session, i, stop_at, outcomes)) for i in range(6)]
+            await asyncio.sleep(4)
+            await asyncio.to_thread(cluster.remove_worker)
+            removed_at = time.monotonic()
+            await asyncio.gather(*clients)
+            while time.monotonic() - removed_at < 60:
+                status, _, _ = await _post(session, {"model": MODEL, "max_tokens": 4,
+                                                     "messages": [{"role": "user", "content": "Hi"}]})
+                if status == 200:
+                    return outcomes, time.monotonic() - removed_at
+                await asyncio.sleep(1)
+            return outcomes, None
+
+    outcomes, recovered_after = asyncio.run(main())
+    for status, answer in outcomes:  # an answer, or OpenAI's error envelope
+        assert status == 200 and answer["choices"] or set(answer["error"]) >= {"message", "type", "code"}, answer
+    assert any(status == 200 for status, _ in outcomes)
+    assert recovered_after is not None and recovered_after < 60
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = cluster.stats()
+        if len(stats) == 1 and stats[0]["num_free_blocks"] == stats[0]["num_total_blocks"]:
+            break
+        time.sleep(1)
+    assert len(stats) == 1 and stats[0]["node_id"] == cluster.head_node_id, stats
+    assert stats[0]["num_free_blocks"] == stats[0]["num_total_blocks"], stats
