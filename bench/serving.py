@@ -9,6 +9,14 @@ For each request rate (requests/s; ``inf`` sends everything at once) it reports 
 TTFT, TPOT, ITL and end-to-end percentiles, and goodput: requests/s that met the SLO
 (``--slo-ttft-s`` and ``--slo-tpot-s``). The ``AsyncLLM`` run uses the same engine settings
 as the server's defaults, so ``http / direct`` ratios show what HTTP, Serve and Ray cost.
+
+With ``--replicas N`` it serves the app itself instead (a local Ray, Serve on 127.0.0.1:8000,
+N engine replicas) once per request router of ``--router`` (``AppConfig.request_router``), in
+alternating order over ``--repeats``, and adds the cluster's prefix-cache hit rate (``/stats``)
+and each replica's share of the requests:
+
+    python bench/serving.py --workload ../shared/workloads/w3_shared_prefix.json \
+        --num-requests 96 --request-rates inf --replicas 2 --router prefix,pow2 --kv-cache-memory-gb 0.5
 """
 from __future__ import annotations
 
@@ -17,11 +25,12 @@ import asyncio
 import json
 import math
 import random
+import statistics
 import time
 from pathlib import Path
 
 import aiohttp
-from common import load_workload, machine_info, percentiles, write_result
+from common import ROOT, load_workload, machine_info, percentiles, write_result
 
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -47,6 +56,7 @@ class Record:
         self.token_times: list[float] = []
         self.num_tokens = 0
         self.error = None
+        self.replica: str | None = None  # the engine replica that served it (HTTP)
 
     def metrics(self) -> dict:
         times = self.token_times
@@ -63,6 +73,7 @@ async def _http_request(session, url: str, model: str, request: dict, record: Re
             if response.status != 200:
                 record.error = f"HTTP {response.status}"
                 return
+            record.replica = response.headers.get("x-mini-infer-replica")
             async for line in response.content:
                 if not line.startswith(b"data: {"):
                     continue
@@ -121,7 +132,84 @@ async def bench_http(url: str, model: str, requests, rates, seed, slo) -> dict:
             send = lambda r, rec: _http_request(session, url, model, r, rec)  # noqa: E731
             records, seconds = await run_schedule(send, requests, arrival_offsets(len(requests), rate, seed))
             results[str(rate)] = summarize(records, seconds, *slo)
+            replicas = [r.replica for r in records if r.replica is not None]
+            results[str(rate)]["replica_shares"] = sorted(
+                (round(replicas.count(r) / len(replicas), 3) for r in set(replicas)), reverse=True)
     return results
+
+
+def bench_routers(args, requests, rates, slo) -> dict:
+    """``bench_http`` against the app served here with ``args.replicas`` engine replicas, once
+    per router and repeat (the order alternates); each run on fresh replicas (empty caches),
+    with the cluster's prefix-cache hit rate from ``/stats`` after it."""
+    import os
+
+    import ray
+    import requests as http
+    from ray import serve
+
+    from app import build_app
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    routers = args.router.split(",")
+    runs = {router: [] for router in routers}
+    ray.init(include_dashboard=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+        for repeat in range(args.repeats):
+            for router in routers if repeat % 2 == 0 else routers[::-1]:
+                settings = {"num_engine_replicas": args.replicas, "request_router": router, "model": args.model}
+                if args.kv_cache_memory_gb:
+                    settings["kv_cache_memory_gb"] = args.kv_cache_memory_gb
+                serve.run(build_app(settings), name="default", route_prefix="/")
+                _wait_ready(http, args.url, args.replicas)
+                run = asyncio.run(bench_http(args.url, args.model, requests, rates, args.seed, slo))
+                stats = http.get(args.url + "/stats", timeout=30).json()["replicas"]
+                queries = sum(s["prefix_cache_queries"] for s in stats)
+                for summary in run.values():
+                    summary["prefix_cache_hit_rate"] = round(
+                        sum(s["prefix_cache_hits"] for s in stats) / queries if queries else 0.0, 4)
+                runs[router].append(run)
+                print(f"{router} (repeat {repeat}): " + ", ".join(
+                    f"rate {rate}: {r['output_tokens_per_s']:.1f} tok/s, hit rate {r['prefix_cache_hit_rate']:.3f}, "
+                    f"shares {r['replica_shares']}" for rate, r in run.items()), flush=True)
+                serve.delete("default")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return runs
+
+
+def _wait_ready(http, url: str, num_replicas: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if (http.get(url + "/ready", timeout=30).status_code == 200
+                    and len(http.get(url + "/stats", timeout=30).json()["replicas"]) == num_replicas):
+                return
+        except (http.RequestException, ValueError, KeyError):
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"the app did not answer /ready with {num_replicas} engine replicas in {timeout}s")
+
+
+def router_ratios(runs: dict) -> dict:
+    """The first router over each other one, per rate, from the medians over repeats: output
+    tok/s, TTFT p50 and prefix-cache hit rate."""
+    def median(router, rate, get):
+        return statistics.median(get(run[rate]) for run in runs[router])
+
+    first, *others = runs
+    ratios = {}
+    for other in others:
+        for rate in runs[first][0]:
+            ratios[f"{first}/{other} @ {rate}"] = {
+                name: round(median(first, rate, get) / median(other, rate, get), 3)
+                for name, get in (("output_tokens_per_s", lambda r: r["output_tokens_per_s"]),
+                                  ("ttft_p50", lambda r: r["ttft_s"]["p50"]),
+                                  ("prefix_cache_hit_rate", lambda r: r["prefix_cache_hit_rate"]))
+                if median(other, rate, get)}
+    return ratios
 
 
 async def bench_direct(model: str, requests, rates, seed, slo) -> dict:
@@ -152,12 +240,30 @@ def main() -> None:
     parser.add_argument("--slo-tpot-s", type=float, default=0.5)
     parser.add_argument("--skip-direct", action="store_true")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--replicas", type=int, help="serve the app here with this many engine "
+                        "replicas, once per --router, instead of benchmarking the service at --url")
+    parser.add_argument("--router", default="prefix,pow2", help="with --replicas: request routers "
+                        "to compare (AppConfig.request_router), comma-separated; ratios are the first "
+                        "over each other")
+    parser.add_argument("--repeats", type=int, default=1, help="with --replicas: runs per router")
+    parser.add_argument("--kv-cache-memory-gb", type=float, help="with --replicas: each engine "
+                        "replica's KV cache (default: the engine's)")
     args = parser.parse_args()
 
     workload = load_workload(args.workload)
     requests = workload["requests"][: args.num_requests]
     rates = [float(r) for r in args.request_rates.split(",")]
     slo = (args.slo_ttft_s, args.slo_tpot_s)
+    if args.replicas:
+        runs = bench_routers(args, requests, rates, slo)
+        result = {"workload": workload["name"], "num_requests": len(requests), "model": args.model,
+                  "replicas": args.replicas, "machine": machine_info(), "routers": runs,
+                  "ratios": router_ratios(runs)}
+        path = write_result(f"serving-routers-{workload['name']}", result, args.out)
+        for name, ratio in result["ratios"].items():
+            print(f"{name}: {ratio}")
+        print(f"wrote {path}")
+        return
     http = asyncio.run(bench_http(args.url, args.model, requests, rates, args.seed, slo))
     direct = {} if args.skip_direct else asyncio.run(bench_direct(args.model, requests, rates, args.seed, slo))
     ratios = {rate: {"output_tokens_per_s": round(http[rate]["output_tokens_per_s"]
