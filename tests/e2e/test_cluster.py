@@ -18,6 +18,9 @@ MODEL = "smollm2-135m-instruct"
 WORDS = ("river stone cloud engine garden ticket silver forest lamp window harbor violin "
          "pepper canyon marble rocket orchard candle meadow bridge").split()
 TIMEOUT_S = 60  # no client waits longer than this for an answer
+# Each engine replica's KV cache: room for the routing test's conversations (about 5,000
+# tokens a replica, 46 KB a token in fp32) and small enough for a shared 2-core, 24 GiB machine.
+SMALL_KV = {"kv_cache_memory_gb": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +76,7 @@ def test_prefix_router_raises_the_hit_rate_and_still_spreads_load(cluster):
     prefix; with ``pow2`` a turn lands on the replica that holds it about half the time."""
     results = {}
     for router in ("prefix", "pow2"):
-        cluster.deploy(load_config("serve_multi_replica.yaml", args={"request_router": router}), 2)
+        cluster.deploy(load_config("serve_multi_replica.yaml", args={**SMALL_KV, "request_router": router}), 2)
         replicas = asyncio.run(run_conversations(32, 3, concurrency=8))
         shares = {r: replicas.count(r) / len(replicas) for r in set(replicas)}
         results[router] = (hit_rate(cluster.stats()), shares)
@@ -121,7 +124,7 @@ def test_two_nodes_serve_and_losing_one_is_survived(cluster):
     """One engine replica per node; the worker node is killed under load: every client gets
     an answer or an OpenAI error within TIMEOUT_S, the service answers again from the head's
     replica within 60 s, and that replica ends with no KV block in use."""
-    config = load_config("serve_multi_replica.yaml", engine={"max_replicas_per_node": 1},
+    config = load_config("serve_multi_replica.yaml", args=SMALL_KV, engine={"max_replicas_per_node": 1},
                          ingress={"ray_actor_options": {"num_cpus": 0, "resources": {"node_a": 0.01}}})
     cluster.deploy(config, 2)
     assert {s["node_id"] for s in cluster.stats()} == {cluster.head_node_id, cluster.worker_node_id}
