@@ -15,7 +15,7 @@ import yaml
 from ray import serve
 from ray.cluster_utils import Cluster
 from ray.serve._private import api as serve_api
-from ray.serve.schema import ServeDeploySchema
+from ray.serve.schema import ApplicationStatus, ServeDeploySchema
 
 ROOT = Path(__file__).resolve().parents[1]
 URL = "http://127.0.0.1:8000"
@@ -66,8 +66,9 @@ class TwoNodeCluster:
                     os.environ[name] = value
 
     def deploy(self, config: dict, num_engine_replicas: int, timeout: float = 240) -> None:
-        """Deploy a Serve config (as loaded from ``ray_configs/*.yaml``) and wait until
-        ``/ready`` answers and ``/stats`` lists ``num_engine_replicas`` engine replicas.
+        """Deploy a Serve config (as loaded from ``ray_configs/*.yaml``) in place of any
+        application deployed before, and wait until Serve reports it running, ``/ready``
+        answers and ``/stats`` lists ``num_engine_replicas`` engine replicas.
 
         Raises:
             TimeoutError: not ready in ``timeout`` seconds.
@@ -75,18 +76,23 @@ class TwoNodeCluster:
         schema = ServeDeploySchema.model_validate(config)
         client = serve_api.serve_start(http_options=schema.http_options.model_dump(),
                                        proxy_location=schema.proxy_location)
+        self.delete_app()  # a fresh app: no replica or cache of the one before answers
         client.deploy_apps(schema, _blocking=False)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if _ok(URL + "/ready") and len(self.stats()) == num_engine_replicas:
+            app = serve.status().applications.get("default")
+            if (app is not None and app.status == ApplicationStatus.RUNNING and _ok(URL + "/ready")
+                    and len(self.stats()) == num_engine_replicas):
                 return
             time.sleep(1.0)
         raise TimeoutError(f"app not ready with {num_engine_replicas} engine replicas in {timeout}s: "
                            f"{serve.status()}")
 
     def delete_app(self) -> None:
-        """Delete the application (its replicas and their caches), waiting until it is gone."""
-        serve.delete("default", _blocking=True)
+        """Delete the application (its replicas and their caches), if deployed, waiting until
+        it is gone."""
+        if "default" in serve.status().applications:
+            serve.delete("default", _blocking=True)
 
     def stats(self) -> list[dict]:
         """Every engine replica's ``/stats`` entry (empty while none answers)."""
