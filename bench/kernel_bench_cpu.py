@@ -48,6 +48,12 @@ PREFILL_CASES = (
 )
 
 
+def _sig(x: float) -> float:
+    """``x`` to 4 significant digits (a JSON number that neither rounds small values to 0 nor
+    carries timer noise)."""
+    return float(f"{x:.4g}")
+
+
 def time_turns(fns: dict[str, Callable[[], object]], flush: torch.Tensor, rounds: int) -> dict[str, float]:
     """Median seconds of each function, called in turn ``rounds`` times after one warmup
     round; the last level cache is flushed (``flush`` written) before every call."""
@@ -92,9 +98,8 @@ def decode_row(batch: int, context: int, shape: AttentionShape, dtype: torch.dty
     num_bytes = decode_bytes(batch, context, replace(shape, elem_size=dtype.itemsize))
     kernel_gbps = gbps(num_bytes, seconds["kernel"] * 1e3)
     copy_gbps = gbps(2 * copy[1].numel(), seconds["copy"] * 1e3)
-    row = {"batch": batch, "context": context, "bytes": num_bytes, "ms": round(seconds["kernel"] * 1e3, 4),
-           "gbps": round(kernel_gbps, 2), "copy_gbps": round(copy_gbps, 2),
-           "of_copy": round(kernel_gbps / copy_gbps, 3)}
+    row = {"batch": batch, "context": context, "bytes": num_bytes, "ms": _sig(seconds["kernel"] * 1e3),
+           "gbps": _sig(kernel_gbps), "copy_gbps": _sig(copy_gbps), "of_copy": _sig(kernel_gbps / copy_gbps)}
     if batch * context <= 16 * 1024:  # a spot check against the reference where it is cheap
         expected = reference.paged_attention(*args)
         row["max_abs_diff"] = (kernel().float() - expected.float()).abs().max().item()
@@ -112,9 +117,8 @@ def prefill_rows(shape: AttentionShape, dtype: torch.dtype, flush: torch.Tensor,
         seconds = time_turns({"kernel": lambda: cpu_attention.paged_attention(*args),
                               "per_sequence": lambda: reference.paged_attention(*args)}, flush, rounds)
         rows.append({"case": name, "query_tokens": int(args[0].shape[0]),
-                     "kernel_ms": round(seconds["kernel"] * 1e3, 3),
-                     "per_sequence_ms": round(seconds["per_sequence"] * 1e3, 3),
-                     "speedup": round(seconds["per_sequence"] / seconds["kernel"], 2)})
+                     "kernel_ms": _sig(seconds["kernel"] * 1e3), "per_sequence_ms": _sig(seconds["per_sequence"] * 1e3),
+                     "speedup": _sig(seconds["per_sequence"] / seconds["kernel"])})
     return rows
 
 

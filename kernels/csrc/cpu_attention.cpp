@@ -31,6 +31,9 @@ using mini_infer::TaskBuffers;
 constexpr int64_t kPrefillRowsPerTask = 64;  // query rows (tokens x group) of one prefill task
 constexpr int64_t kTasksPerThread = 4;       // split decode contexts until there are this many
 constexpr int64_t kMinSplitKeys = 256;       // keys of one split, at least
+// Below this many (query row, key) pairs, about 30 us of work, a call runs on one thread: waking
+// the others costs more (ATen's at::internal::GRAIN_SIZE is the same number of elements).
+constexpr int64_t kMinParallelWork = 32768;
 
 // ---------------------------------------------------------------- instruction sets
 
@@ -100,6 +103,7 @@ struct Plan {
   std::vector<SplitGroup> splits;
   int64_t num_partials = 0;
   int64_t max_rows = 0;
+  int64_t total_cost = 0;
 };
 
 struct BatchShape {
@@ -178,6 +182,7 @@ Plan plan_work(const BatchShape& s, int64_t group, int64_t forced_splits) {
     plan.max_rows = std::max(plan.max_rows, std::min(query_len, tokens_per_task) * group);
   }
   std::stable_sort(plan.work.begin(), plan.work.end(), [](const Work& a, const Work& b) { return a.cost > b.cost; });
+  for (const Work& w : plan.work) plan.total_cost += w.cost;
   return plan;
 }
 
@@ -260,18 +265,18 @@ void run_plan(const Plan& plan, const AttentionProblem& problem, mini_infer::Att
                                       torch::dtype(torch::kFloat32));
   const Partials partials{partial_storage.data_ptr<float>(), problem.group, problem.head_dim};
   const int64_t num_work = static_cast<int64_t>(plan.work.size());
+  const int64_t workers = plan.total_cost < kMinParallelWork ? 1 : std::min<int64_t>(at::get_num_threads(), num_work);
   std::atomic<int64_t> next{0};  // tasks are taken in order, costliest first, by whichever thread is free
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_work), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const ThreadBuffers buffers(plan.max_rows, problem.head_dim);
     for (int64_t i = next++; i < num_work; i = next++) {
       attend(problem, plan.work[i].task, buffers.view());
       store_result(plan.work[i], buffers.view(), output, partials);
     }
   });
-  at::parallel_for(0, static_cast<int64_t>(plan.splits.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(problem.head_dim);
-    for (int64_t i = begin; i < end; ++i) merge_splits(plan.splits[i], output, partials, acc.data());
-  });
+  // Contexts are split only when there are few tasks (kTasksPerThread per thread): a few merges.
+  std::vector<float> acc(problem.head_dim);
+  for (const SplitGroup& split : plan.splits) merge_splits(split, output, partials, acc.data());
 }
 
 }  // namespace
