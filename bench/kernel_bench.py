@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu.add_argument("--contexts", default="128,512,1024,2048,4096")
     cpu.add_argument("--isa", default="auto", help="auto, or one of kernels.cpu_attention.supported_isas()")
     cpu.add_argument("--rounds", type=int, default=5, help="timed calls per combination")
+    cpu.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
     cpu.add_argument("--no-prefill", action="store_true", help="decode only")
     cpu.add_argument("--out", type=Path, help="JSON path (default bench/results/local/...)")
     args = parser.parse_args(argv)

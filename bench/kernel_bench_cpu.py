@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -146,7 +147,9 @@ def run_cpu(shape_name: str = "smollm2-135m", dtypes=DTYPES, batches=BATCHES, co
     result = {"date": datetime.date.today().isoformat(), **cpu_info(), "torch": torch.__version__,
               "threads": torch.get_num_threads(), "shape_name": shape_name, "shape": asdict(shape),
               "isa": cpu_attention.selected_isa(shape.head_dim) if isa == "auto" else isa,
-              "supported_isas": cpu_attention.supported_isas(), "decode": {}, "prefill": {}}
+              "supported_isas": cpu_attention.supported_isas(),
+              "load_average_before": os.getloadavg(),  # other processes on a shared machine
+              "decode": {}, "prefill": {}}
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         rows = result["decode"][dtype_name] = []
@@ -156,6 +159,7 @@ def run_cpu(shape_name: str = "smollm2-135m", dtypes=DTYPES, batches=BATCHES, co
                 log(f"{dtype_name} " + format_decode_table(rows[-1:]).splitlines()[-1])
         if prefill_cases:
             result["prefill"][dtype_name] = prefill_rows(shape, dtype, flush, rounds, prefill_cases)
+    result["load_average_after"] = os.getloadavg()
     return result
 
 
@@ -203,11 +207,14 @@ def plot(result: dict, path: Path) -> None:
 
 def main(args) -> int:
     """The ``cpu`` subcommand of kernel_bench.py (its arguments as parsed there)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result = run_cpu(args.shape, args.dtypes.split(","), [int(b) for b in args.batches.split(",")],
                      [int(c) for c in args.contexts.split(",")], args.isa, args.rounds,
                      () if args.no_prefill else PREFILL_CASES)
     for dtype, rows in result["decode"].items():
         print(f"\ndecode, {dtype} ({result['isa']}, {result['threads']} threads)\n{format_decode_table(rows)}")
+    print(f"\nload average before / after: {result['load_average_before']} / {result['load_average_after']}")
     for dtype, rows in result["prefill"].items():
         print(f"\nprefill attention, {dtype}\n{format_prefill_table(rows)}")
     out = args.out or RESULTS / f"kernel-bench-cpu-{result['shape_name']}-{result['date']}.json"
