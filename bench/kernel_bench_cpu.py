@@ -19,6 +19,7 @@ model the CPU engine serves; ``--shape qwen2.5-7b`` takes kernel_bench's GPU sha
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -28,7 +29,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-
 from kernel_bench import QWEN2_5_7B, AttentionShape, decode_bytes, gbps, make_decode_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,8 +115,8 @@ def prefill_rows(shape: AttentionShape, dtype: torch.dtype, flush: torch.Tensor,
     rows = []
     for name, seqs in cases:
         args = make_prefill_inputs(seqs, shape, dtype)
-        seconds = time_turns({"kernel": lambda: cpu_attention.paged_attention(*args),
-                              "per_sequence": lambda: reference.paged_attention(*args)}, flush, rounds)
+        seconds = time_turns({"kernel": functools.partial(cpu_attention.paged_attention, *args),
+                              "per_sequence": functools.partial(reference.paged_attention, *args)}, flush, rounds)
         rows.append({"case": name, "query_tokens": int(args[0].shape[0]),
                      "kernel_ms": _sig(seconds["kernel"] * 1e3), "per_sequence_ms": _sig(seconds["per_sequence"] * 1e3),
                      "speedup": _sig(seconds["per_sequence"] / seconds["kernel"])})
@@ -189,7 +189,7 @@ def plot(result: dict, path: Path) -> None:
 
     dtypes = list(result["decode"])
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
-    for ax, dtype in zip(axes[0], dtypes):
+    for ax, dtype in zip(axes[0], dtypes, strict=True):
         rows = result["decode"][dtype]
         copy = statistics.median(r["copy_gbps"] for r in rows)
         for batch in sorted({r["batch"] for r in rows}):
