@@ -7,9 +7,10 @@ PY := .venv/bin/python
 setup:
 	@./scripts/setup.sh
 
-# The OpenAI-compatible service on http://127.0.0.1:8000 (Ctrl-C stops it and Ray).
+# The OpenAI-compatible service on http://127.0.0.1:8000: `serve run app:deployment`, which
+# Ctrl-C or SIGTERM stops cleanly, with Ray (scripts/serve_run.py).
 run: setup
-	.venv/bin/serve run app:deployment
+	.venv/bin/python scripts/serve_run.py app:deployment
 
 # Everything CI runs: the whole suite, with the slowest tests' durations printed.
 test: setup

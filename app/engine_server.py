@@ -1,6 +1,7 @@
 """The engine deployment: one ``AsyncLLM`` per replica, streaming plain-dict outputs."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -12,9 +13,11 @@ import ray
 from ray import serve
 
 from app.config import AppConfig
-from app.metrics import EngineMetrics
-from app.records import CompletionDelta, EngineOutput, LogprobEntry
+from app.errors import from_exception
+from app.metrics import EngineMetrics, Families
+from app.records import CompletionDelta, EngineOutput, LogprobEntry, Rejection
 from engine.async_llm import AsyncLLM
+from engine.detokenizer import TokenBytes
 from engine.errors import EngineOverloadedError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -56,56 +59,90 @@ class EngineServer:
         except Exception:  # noqa: BLE001 - outside Serve (tests): any unique name will do
             self.replica_id = uuid.uuid4().hex[:8]
         self.metrics = EngineMetrics(config.model_name, self.replica_id)
+        tokenizer = self.llm.engine.tokenizer
+        self.token_bytes = None if tokenizer is None else TokenBytes(tokenizer)
         self._num_in_flight = 0  # generate() calls not finished; only the replica's loop touches it
         self._stop = threading.Event()
         threading.Thread(target=self._record_stats, name="engine-metrics", daemon=True).start()
 
-    async def generate(self, prompt: dict, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[EngineOutput]:
-        """Stream a request's outputs as dicts (see ``output_to_dict``).
+    async def generate(self, prompt: dict, params: SamplingParams, request_id: str | None = None,
+                       echo: bool = False) -> AsyncIterator[EngineOutput | Rejection]:
+        """Stream a request's outputs as dicts (see ``output_to_dict``), or one ``Rejection``.
+
+        A request that can never be served, or that finds the waiting queue full, gets a
+        ``Rejection`` as its only record instead of an exception: what the client got wrong
+        is not a fault of this replica to log with a traceback.
 
         Args:
-            prompt: ``{"prompt": text}``, ``{"prompt_token_ids": ids}`` or ``{"messages": [...]}``
-                (a chat, through the tokenizer's chat template).
+            prompt: ``{"prompt": text}``, ``{"prompt_token_ids": ids}`` or ``{"messages":
+                [...]}`` with ``LLMEngine.chat_prompt``'s options (a chat, through the
+                tokenizer's chat template).
             params: sampling parameters; outputs are deltas.
             request_id: defaults to a random id.
+            echo: the first record carries the prompt's text (``prompt_text``).
 
         Raises:
-            InvalidRequestError: the request can never be served (before any output).
-            EngineOverloadedError: the waiting queue is over ``max_waiting_requests``.
+            RequestFailedError: the engine failed the request after accepting it.
+            EngineDeadError: the step loop has stopped.
         """
         # Requests in flight beyond a full batch are the waiting queue (counted here, not in
         # the engine, so that a burst arriving between two steps is counted too).
+        # Serve's max_ongoing_requests (app.build_app) keeps this from happening behind the
+        # ingress; it still bounds direct callers of the deployment.
         num_waiting = self._num_in_flight - self.config.max_num_seqs
         if num_waiting >= self.config.max_waiting_requests:
-            raise EngineOverloadedError(
+            yield rejection(EngineOverloadedError(
                 f"the engine is overloaded: {num_waiting} requests waiting "
-                f"(max_waiting_requests={self.config.max_waiting_requests}); retry later")
+                f"(max_waiting_requests={self.config.max_waiting_requests})"))
+            return
         self._num_in_flight += 1
         try:
-            async for item in self._generate(prompt, params, request_id):
+            async for item in self._generate(prompt, params, request_id, echo):
                 yield item
         finally:
             self._num_in_flight -= 1
 
-    async def _generate(self, prompt: dict, params: SamplingParams,
-                        request_id: str | None) -> AsyncIterator[EngineOutput]:
-        if "messages" in prompt:
-            prompt = self.llm.chat_prompt(prompt["messages"])
+    async def _generate(self, prompt: dict, params: SamplingParams, request_id: str | None,
+                        echo: bool) -> AsyncIterator[EngineOutput | Rejection]:
         start = time.perf_counter()
         timing = _Timing(start)
         num_output_tokens, finish_reasons, num_prompt_tokens = 0, [], 0
         try:
-            async for output in self.llm.generate(prompt, params, request_id):
-                timing.tick(self.metrics)
-                num_prompt_tokens = len(output.prompt_token_ids)
-                num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
-                finish_reasons += [c.finish_reason for c in output.outputs if c.finish_reason]
-                yield output_to_dict(output, self.replica_id)
+            async with contextlib.aclosing(self._outputs(prompt, params, request_id)) as outputs:
+                try:
+                    first = await anext(outputs)
+                except ValueError as exc:  # the engine's "can never be served as sent"
+                    yield rejection(exc)
+                    return
+                async for output in _prepend(first, outputs):
+                    timing.tick(self.metrics)
+                    num_prompt_tokens = len(output.prompt_token_ids)
+                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    finish_reasons += [c.finish_reason for c in output.outputs if c.finish_reason]
+                    record = output_to_dict(output, self.replica_id, self.token_bytes)
+                    if echo and output is first:
+                        record["prompt_text"] = self._prompt_text(output)
+                    yield record
         finally:
             if timing.first is not None:  # rejected requests have no latency to report
                 self._record_request(num_prompt_tokens, num_output_tokens, timing.first - start,
                                      time.perf_counter() - start, finish_reasons)
+
+    async def _outputs(self, prompt: dict, params: SamplingParams,
+                       request_id: str | None) -> AsyncIterator[RequestOutput]:
+        if "messages" in prompt:
+            options = dict(prompt)
+            prompt = await self.llm.chat_prompt(options.pop("messages"), **options)
+        async with contextlib.aclosing(self.llm.generate(prompt, params, request_id)) as outputs:
+            async for output in outputs:
+                yield output
+
+    def _prompt_text(self, output: RequestOutput) -> str:
+        """The prompt as text: as sent, or its token ids decoded (vLLM's echo)."""
+        if output.prompt is not None:
+            return output.prompt
+        tokenizer = self.llm.engine.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(output.prompt_token_ids)
 
     def _record_request(self, *args) -> None:
         try:
@@ -128,6 +165,15 @@ class EngineServer:
     def stats(self) -> dict:
         return {**self.llm.stats(), "replica_id": self.replica_id}
 
+    def limits(self) -> dict:
+        """What the ingress sizes its own limits from: ``max_model_len`` (resolved from the
+        model where the setting is unset)."""
+        return {"max_model_len": self.llm.engine.config.scheduler.max_model_len}
+
+    def metric_families(self) -> Families:
+        """This replica's metrics as plain data, for the ingress's ``GET /metrics``."""
+        return self.metrics.families()
+
     def _record_stats(self) -> None:
         while not self._stop.wait(_STATS_PERIOD_S):
             try:
@@ -138,6 +184,19 @@ class EngineServer:
     def __del__(self) -> None:
         self._stop.set()
         self.llm.shutdown(timeout=1.0)
+
+
+async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for item in rest:
+        yield item
+
+
+def rejection(exc: BaseException) -> Rejection:
+    """A refused request's record: the HTTP error ``exc`` maps to."""
+    error = from_exception(exc)
+    return Rejection(status_code=error.status_code, message=error.message, param=error.param,
+                     code=error.code)
 
 
 class _Timing:
@@ -152,12 +211,14 @@ class _Timing:
         if self.first is None:
             self.first = now
         else:
-            metrics.itl.observe(now - self.last, tags=metrics.tags)
+            metrics.record_itl(now - self.last)
         self.last = now
 
 
-def output_to_dict(output: RequestOutput, replica_id: str) -> EngineOutput:
-    """A delta ``RequestOutput`` as plain data (``app.records``)."""
+def output_to_dict(output: RequestOutput, replica_id: str,
+                   token_bytes: TokenBytes | None = None) -> EngineOutput:
+    """A delta ``RequestOutput`` as plain data (``app.records``); ``token_bytes`` gives each
+    logprob entry's raw bytes (``None``: no tokenizer)."""
     return EngineOutput(
         replica_id=replica_id,
         num_prompt_tokens=len(output.prompt_token_ids),
@@ -167,7 +228,8 @@ def output_to_dict(output: RequestOutput, replica_id: str) -> EngineOutput:
             index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
             logprobs=None if c.logprobs is None else [
-                [LogprobEntry(token_id, max(lp.logprob, _MIN_LOGPROB), lp.rank, lp.decoded_token)
+                [LogprobEntry(token_id, max(lp.logprob, _MIN_LOGPROB), lp.rank, lp.decoded_token,
+                              None if token_bytes is None else token_bytes(token_id))
                  for token_id, lp in entry.items()]
                 for entry in c.logprobs],
         ) for c in output.outputs],

@@ -1,5 +1,10 @@
 """Every error the service returns is OpenAI's envelope
-``{"error": {"message", "type", "param", "code"}}``; FastAPI's own 422 body never escapes."""
+``{"error": {"message", "type", "param", "code"}}``; FastAPI's own 422 body never escapes.
+
+Each error response is logged once: what the client got wrong (4xx) as one INFO line, a
+full queue or restarting replica (503) as one WARNING line, and only a server fault (other
+5xx) with its traceback. Serve's log format adds the request id to every line logged while a
+request is handled."""
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +24,16 @@ from engine.errors import ContextLengthExceededError, EngineDeadError, EngineOve
 logger = logging.getLogger("ray.serve")
 
 RETRY_AFTER_S = "1"
+CLIENT_DISCONNECTED = "mini_infer.client_disconnected"  # ASGI scope key: the client left mid-body
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 503: "service_unavailable_error"}
+          405: "invalid_request_error", 408: "invalid_request_error",
+          413: "invalid_request_error", 503: "service_unavailable_error"}
+_HTTP_CODES = {408: "request_timeout", 413: "request_too_large"}
+# An error body stays small whatever the input: messages quote bad values through
+# engine.errors.excerpt, and these caps hold for anything else (a pydantic location built
+# from a client's dict key, an exception's text).
+MAX_MESSAGE_CHARS = 1024
+MAX_PARAM_CHARS = 128
 
 
 class OpenAIError(Exception):
@@ -36,7 +49,9 @@ class OpenAIError(Exception):
         self.type = error_type or _TYPES.get(status_code, "internal_server_error")
 
     def body(self) -> dict:
-        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        info = ErrorInfo(message=_cut(self.message, MAX_MESSAGE_CHARS), type=self.type,
+                         param=None if self.param is None else _cut(self.param, MAX_PARAM_CHARS),
+                         code=self.code)
         return ErrorResponse(error=info).model_dump()
 
     def response(self) -> JSONResponse:
@@ -50,25 +65,47 @@ def from_exception(exc: BaseException) -> OpenAIError:
     if isinstance(cause, OpenAIError):
         return cause
     if _is_cancellation(cause):  # the client went away; nobody reads this response
-        return OpenAIError(499, "the client closed the request", code="client_closed_request",
-                           error_type="client_closed_request")
+        return client_closed("before the response was complete")
     if isinstance(cause, ContextLengthExceededError):
         return OpenAIError(400, str(cause), cause.param, "context_length_exceeded")
     if isinstance(cause, InvalidRequestError):
         return OpenAIError(400, str(cause), cause.param)
     if isinstance(cause, ValueError):
         return OpenAIError(400, str(cause))
-    if isinstance(cause, (EngineOverloadedError, BackPressureError, DeploymentUnavailableError)):
-        return OpenAIError(503, f"the service is overloaded or restarting: {cause}; retry later",
-                           code="overloaded")
+    if isinstance(cause, EngineOverloadedError):
+        return OpenAIError(503, f"{cause}; retry later", code="overloaded")
+    if isinstance(cause, BackPressureError):
+        return OpenAIError(503, "the service is overloaded: every engine replica is busy and the "
+                           "queue in front of them is full; retry later", code="overloaded")
+    if isinstance(cause, DeploymentUnavailableError):
+        return OpenAIError(503, "no engine replica is running (starting or restarting); "
+                           "retry later", code="engine_unavailable")
     if isinstance(cause, EngineDeadError):
         return OpenAIError(503, f"the engine replica is not running: {cause}; retry (Serve "
                            "replaces it)", code="engine_dead")
     if isinstance(cause, RayActorError):
         return OpenAIError(503, "the engine replica serving this request died; retry "
                            f"(Serve restarts it): {type(cause).__name__}", code="replica_died")
-    logger.error("request failed: %r", exc)
     return OpenAIError(500, f"internal error: {type(cause).__name__}: {cause}", code="internal_error")
+
+
+def from_http_exception(exc: StarletteHTTPException) -> OpenAIError:
+    """Starlette's and FastAPI's HTTP errors (404, 405, the guard's 408 and 413)."""
+    return OpenAIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code))
+
+
+def client_closed(when: str) -> OpenAIError:
+    """The outcome of a client that disconnected ``when`` (nginx's 499; nobody reads it)."""
+    return OpenAIError(499, f"the client disconnected {when}; the request was aborted",
+                       code="client_closed_request", error_type="client_closed_request")
+
+
+def _cut(text: str, max_chars: int) -> str:
+    """``text`` cut to exactly ``max_chars`` characters, saying how long it was."""
+    if len(text) <= max_chars:
+        return text
+    suffix = f"... ({len(text)} characters)"
+    return text[:max_chars - len(suffix)] + suffix
 
 
 def _is_cancellation(exc: BaseException) -> bool:
@@ -92,7 +129,7 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
         return OpenAIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
     location = [str(part) for part in first.get("loc", ())[1:]  # drop "body" / "query"
                 if not _is_union_tag(part)]
-    param = ".".join(location) or None
+    param = _cut(".".join(location), MAX_PARAM_CHARS) or None  # a dict key can be any length
     message = first.get("msg", "invalid request")
     if first.get("type") == "missing":
         message = f"{param} is required" if param else "the request body (a JSON object) is required"
@@ -110,16 +147,34 @@ def _is_union_tag(part) -> bool:
     return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict"})
 
 
-def error_response(request: Request, error: OpenAIError) -> JSONResponse:
-    """The envelope response, counted in ``app.state.http_metrics`` when the app has one."""
+def log_error(request: Request, error: OpenAIError, exc: BaseException | None = None) -> None:
+    """One line per error response (request id added by Serve's log format); the traceback of
+    ``exc`` only for a server fault."""
+    where = f"{request.method} {request.url.path}"
+    param = f" (param {error.param})" if error.param else ""
+    if error.status_code < 500:
+        logger.info("%s -> %d %s%s: %s", where, error.status_code, error.code or error.type, param,
+                    error.message)
+    elif error.status_code == 503:
+        logger.warning("%s -> 503 %s: %s", where, error.code, error.message)
+    else:
+        logger.error("%s -> %d: %s", where, error.status_code, error.message, exc_info=exc)
+
+
+def error_response(request: Request, error: OpenAIError, exc: BaseException | None = None) -> JSONResponse:
+    """The envelope response, logged (``log_error``) and counted in
+    ``app.state.http_metrics`` when the app has one."""
     metrics = getattr(request.app.state, "http_metrics", None)
     if metrics is not None:
         metrics.record_error(error.status_code)
+    log_error(request, error, exc)
     return error.response()
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Route every error through the envelope."""
+    """Route every error through the envelope. ``ValueError`` (the engine's and
+    ``SamplingParams``' "invalid as sent") is a 400 handled like the others, not a server
+    error re-raised to the log."""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -127,15 +182,21 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(request, OpenAIError(exc.status_code, str(exc.detail)))
+        if request.scope.get(CLIENT_DISCONNECTED):  # set by app.middleware
+            return error_response(request, client_closed("while sending the request body"))
+        return error_response(request, from_http_exception(exc))
 
     @app.exception_handler(OpenAIError)
     async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(request, exc)
+        return error_response(request, exc, exc.__cause__)
+
+    @app.exception_handler(ValueError)
+    async def _value(request: Request, exc: ValueError) -> JSONResponse:
+        return error_response(request, from_exception(exc), exc)
 
     @app.exception_handler(Exception)
     async def _any(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(request, from_exception(exc))
+        return error_response(request, from_exception(exc), exc)
 
 
 def sse_error(error: OpenAIError) -> str:

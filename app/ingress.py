@@ -1,61 +1,78 @@
 """The OpenAI-compatible front end: validation, chat messages, SSE framing, errors.
 
-Requests are validated here (pydantic, then ``SamplingParams``) and by the engine replica
-(prompt length, token ids); the ingress waits for the engine's first output before sending
-any header, so a bad streaming request gets the same status and body as a non-streaming one.
+Requests pass the HTTP rules of ``app.middleware`` first (the API key, admission of
+generation requests, body size and timeout, a JSON ``Content-Type``: all before the body is
+read), are validated here (pydantic, the known request fields of ``app.request_fields``, then
+``SamplingParams``) and by the engine replica (prompt length, token ids); the ingress waits
+for the engine's first output before sending any header, so a bad streaming request gets the
+same status and body as a non-streaming one.
 """
 
 import asyncio
-import hmac
 import uuid
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from app.admission import Admission, CachedCheck, ClosingStreamingResponse
 from app.config import AppConfig
-from app.errors import OpenAIError, error_response, from_exception, install_error_handlers, sse_error
-from app.metrics import HttpMetrics
+from app.errors import OpenAIError, client_closed, from_exception, install_error_handlers, log_error, sse_error
+from app.metrics import HttpMetrics, render
+from app.middleware import install_middleware
 from app.openai_format import DONE, ChatFormatter, ResponseFormatter
 from app.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, now
+from app.request_fields import Endpoint, unsupported_field
+from engine.errors import excerpt
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 REPLICA_HEADER = "x-mini-infer-replica"
+# /health and /ready share one probe's outcome for this long, so that callers (and anyone
+# without the API key, for /health) cannot turn them into load on the engine.
+HEALTH_CACHE_S = 0.5
+READY_CACHE_S = 1.0
+# An engine replica that cannot answer "is your step loop alive" in this time is not.
+HEALTH_TIMEOUT_S = 5.0
 
 fastapi_app = FastAPI(title="mini-infer", description="OpenAI-compatible LLM inference.")
 install_error_handlers(fastapi_app)
 
 
-def _require_api_key(app: FastAPI, api_key: str) -> None:
-    """Answer 401 to ``/v1/*`` requests without ``Authorization: Bearer <api_key>``, before
-    their body is read (so before any 400)."""
-    expected = f"Bearer {api_key}"
-
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and not hmac.compare_digest(
-                request.headers.get("authorization", ""), expected):
-            return error_response(request, OpenAIError(
-                401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key"))
-        return await call_next(request)
-
-
-def _or_400(value_or_factory):
-    """Call ``value_or_factory`` (a method or lambda); its ``ValueError`` becomes a 400."""
+def _cancel(stream: DeploymentResponseGenerator) -> None:
+    """Stop a handle call. Serve's ``cancel()`` re-raises a failed assignment (a
+    ``BackPressureError``) that the caller has already answered: ignore it."""
     try:
-        return value_or_factory()
-    except ValueError as exc:
-        raise from_exception(exc) from exc
+        stream.cancel()
+    except Exception:  # noqa: BLE001 - the call never reached a replica
+        pass
+
+
+class _EngineCall:
+    """A request's stream from the engine deployment. ``close()`` stops the engine's work
+    unless the stream ran to its end (at most once, however the response ended).
+
+    Args:
+        stream: from ``generate.remote``.
+    """
+
+    def __init__(self, stream: DeploymentResponseGenerator) -> None:
+        self.stream = stream
+        self.finished = False
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True  # once
+            _cancel(self.stream)
 
 
 @serve.deployment
 @serve.ingress(fastapi_app)
 class OpenAIIngress:
     """Routes ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
-    ``/ready`` and ``/stats`` to the engine deployment.
+    ``/ready``, ``/stats`` and ``/metrics`` to the engine deployment.
 
     Args:
         engine: handle to the ``EngineServer`` deployment.
@@ -67,28 +84,31 @@ class OpenAIIngress:
         self.engine = engine
         self.engine_stream = engine.options(stream=True)  # made once, used by every request
         self.http_metrics = fastapi_app.state.http_metrics = HttpMetrics()
-        if config.api_key:
-            _require_api_key(fastapi_app, config.api_key)
+        self._max_body_bytes = config.max_request_body_bytes
+        self._health = CachedCheck(self._check_health, HEALTH_CACHE_S)
+        self._ready = CachedCheck(self._check_ready, READY_CACHE_S)
+        install_middleware(fastapi_app, api_key=config.api_key,
+                           admission=Admission(config.max_admitted_requests),
+                           max_body_bytes=self.max_body_bytes,
+                           body_timeout_s=config.request_body_timeout_s)
 
     # ---- OpenAI endpoints ----------------------------------------------------------------
 
     @fastapi_app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
-        self._check_model(body.model)
-        params = self._params(body, body.max_tokens, body.logprobs)
-        prompt = body.single_prompt()
-        engine_prompt = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._check(body, "completions")
+        if body.echo and body.logprobs is not None:
+            raise OpenAIError(400, "echo with logprobs needs the prompt's logprobs (prompt_logprobs), "
+                              "which this server does not compute", param="echo",
+                              code="unsupported_parameter")
         formatter = ResponseFormatter(self.config.model_name, body.n, body.logprobs, body.include_usage)
-        return await self._respond(body, engine_prompt, params, formatter)
+        return await self._respond(request, body, formatter, echo=body.echo)
 
     @fastapi_app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest):
-        self._check_model(body.model)
-        num_logprobs = _or_400(body.num_logprobs)
-        params = self._params(body, body.max_new_tokens(), num_logprobs)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        formatter = ChatFormatter(self.config.model_name, body.n, num_logprobs, body.include_usage)
-        return await self._respond(body, {"messages": messages}, params, formatter, prompt_param="messages")
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        self._check(body, "chat")
+        formatter = ChatFormatter(self.config.model_name, body.n, body.num_logprobs(), body.include_usage)
+        return await self._respond(request, body, formatter, prompt_param="messages")
 
     @fastapi_app.get("/v1/models")
     async def models(self):
@@ -99,90 +119,169 @@ class OpenAIIngress:
 
     @fastapi_app.get("/health")
     async def health(self):
-        """Liveness: an engine replica's step loop is alive."""
-        try:
-            alive = await self.engine.is_alive.remote()
-        except Exception as exc:  # noqa: BLE001 - unreachable engine: not alive
-            alive, detail = False, repr(exc)
-        else:
-            detail = "engine step loop stopped"
-        if not alive:
-            raise OpenAIError(503, f"unhealthy: {detail}", code="unhealthy")
-        return {"status": "ok"}
+        """Liveness: some engine replica's step loop is alive. 503 at once while no engine
+        replica is running (a restart), so that load balancers stop sending traffic."""
+        return await self._health()
 
     @fastapi_app.get("/ready")
     async def ready(self):
-        """Readiness: a real one-token generation succeeds."""
-        params = SamplingParams(temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.DELTA)
-        try:
-            async for _ in self.engine_stream.generate.remote({"prompt_token_ids": [0]}, params):
-                pass
-        except Exception as exc:  # noqa: BLE001 - any failure means not ready
-            raise OpenAIError(503, f"not ready: {from_exception(exc).message}", code="not_ready") from exc
-        return {"status": "ready"}
+        """Readiness: a real one-token generation succeeds (its outcome is reused for
+        ``READY_CACHE_S``)."""
+        return await self._ready()
 
     @fastapi_app.get("/stats")
     async def stats(self):
         """Every engine replica's counters (blocks, running, waiting, preemptions)."""
-        return {"replicas": await self.engine.broadcast("stats").results_async()}
+        try:
+            return {"replicas": await self.engine.broadcast("stats").results_async()}
+        except Exception as exc:  # noqa: BLE001 - Serve's own handler would answer in plain text
+            raise from_exception(exc) from exc
+
+    @fastapi_app.get("/metrics")
+    async def metrics(self):
+        """Prometheus text of every engine and ingress replica's series (``app.metrics``)."""
+        try:
+            engines = await self.engine.broadcast("metric_families").results_async()
+        except Exception as exc:  # noqa: BLE001 - Serve's own handler would answer in plain text
+            raise from_exception(exc) from exc
+        return Response(render([*engines, *await self._ingress_families()]), media_type=CONTENT_TYPE_LATEST)
+
+    async def metric_families(self):
+        """This ingress replica's series, for another ingress replica's ``/metrics``."""
+        return self.http_metrics.families()
+
+    async def _ingress_families(self) -> list:
+        """Every ingress replica's series (this one's alone outside Serve)."""
+        try:
+            context = serve.get_replica_context()
+        except Exception:  # noqa: BLE001 - not in a Serve replica (unit tests)
+            return [self.http_metrics.families()]
+        handle = serve.get_deployment_handle(context.deployment, context.app_name)
+        return await handle.broadcast("metric_families").results_async()
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _check_model(self, model: str) -> None:
-        if model != self.config.model_name:
-            raise OpenAIError(404, f"model {model!r} does not exist; this server serves "
-                              f"{self.config.model_name!r}", param="model", code="model_not_found")
+    async def max_body_bytes(self) -> int:
+        """The request-body limit (``AppConfig.max_body_bytes``), asking an engine replica
+        for ``max_model_len`` the first time when the setting leaves it to the model.
 
-    @staticmethod
-    def _params(body: SamplingRequest, max_tokens, logprobs) -> SamplingParams:
-        return _or_400(lambda: body.sampling_params(max_tokens, logprobs))
+        Raises:
+            OpenAIError: 503 while no engine replica is running.
+        """
+        if self._max_body_bytes is None:
+            max_model_len = self.config.max_model_len
+            if max_model_len is None:
+                try:
+                    limits = await self.engine.broadcast("limits").results_async(timeout_s=HEALTH_TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001 - no engine replica to ask
+                    raise from_exception(exc) from exc
+                max_model_len = limits[0]["max_model_len"]
+            self._max_body_bytes = self.config.max_body_bytes(max_model_len)
+        return self._max_body_bytes
 
-    async def _respond(self, body: SamplingRequest, prompt: dict, params: SamplingParams,
-                       formatter: ResponseFormatter, prompt_param: str = "prompt"):
-        request_id = uuid.uuid4().hex
-        stream = self.engine_stream.generate.remote(prompt, params, request_id)
+    async def _check_health(self) -> dict:
+        # broadcast() reaches every running engine replica past Serve's queue (a full
+        # replica still answers) and fails at once when there is none.
         try:
-            first = await stream.__anext__()  # accepted, or the engine's 4xx, before any header
-        except BaseException as exc:
-            stream.cancel()
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            error = from_exception(exc)
+            alive = await self.engine.broadcast("is_alive").results_async(
+                timeout_s=HEALTH_TIMEOUT_S, return_exceptions=True)
+        except Exception as exc:  # noqa: BLE001 - no engine replica, or none answered in time
+            raise OpenAIError(503, f"unhealthy: {from_exception(exc).message}", code="unhealthy") from exc
+        if True not in alive:
+            raise OpenAIError(503, "unhealthy: no engine replica's step loop is alive", code="unhealthy")
+        return {"status": "ok"}
+
+    async def _check_ready(self) -> dict:
+        params = SamplingParams(temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.DELTA)
+        try:
+            await self._health()  # at once while no engine replica runs (else the call waits)
+            async for record in self.engine_stream.generate.remote({"prompt_token_ids": [0]}, params):
+                if "status_code" in record:  # a Rejection: the engine refused it (overloaded)
+                    raise OpenAIError(**record)
+        except Exception as exc:  # noqa: BLE001 - any failure means not ready
+            raise OpenAIError(503, f"not ready: {from_exception(exc).message}", code="not_ready") from exc
+        return {"status": "ready"}
+
+    def _check(self, body: SamplingRequest, endpoint: Endpoint) -> None:
+        """404 for another model; 400 for a field the API defines that is not honoured here
+        (``app.request_fields``)."""
+        if body.model != self.config.model_name:
+            raise OpenAIError(404, f"model {excerpt(body.model)} does not exist; this server serves "
+                              f"{self.config.model_name!r}", param="model", code="model_not_found")
+        field = unsupported_field(endpoint, body.model_extra or {})
+        if field is not None:
+            note = f" ({field.note})" if field.note else ""
+            raise OpenAIError(400, f"{field.name} is not supported by this server{note}; leave it out",
+                              param=field.name, code="unsupported_parameter")
+
+    async def _respond(self, request: Request, body: SamplingRequest, formatter: ResponseFormatter,
+                       prompt_param: str = "prompt", echo: bool = False):
+        prompt, params = body.engine_prompt(), body.sampling_params()
+        call = _EngineCall(self.engine_stream.generate.remote(prompt, params, uuid.uuid4().hex, echo))
+        try:
+            first = await call.stream.__anext__()  # accepted, or the engine's 4xx, before any header
+        except asyncio.CancelledError:
+            call.close()
+            self._client_gone(request, "while the request was being admitted")
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
+            call.close()
+            raise from_exception(exc) from exc
+        if "status_code" in first:  # a Rejection: the engine's only record
+            call.close()
+            error = OpenAIError(**first)
             if error.param == "prompt":  # the engine says "prompt"; a chat request sent messages
                 error.param = prompt_param
-            raise error from exc
+            raise error
         headers = {REPLICA_HEADER: first["replica_id"]}
         if body.stream:
-            return StreamingResponse(self._sse(first, stream, formatter), headers=headers,
-                                     media_type="text/event-stream")
+            return ClosingStreamingResponse(self._sse(request, first, call, formatter), call.close,
+                                            headers=headers, media_type="text/event-stream")
         try:
             formatter.add(first)
-            async for output in stream:
+            async for output in call.stream:
                 formatter.add(output)
-        except asyncio.CancelledError:  # the client went away: stop the engine's work
-            stream.cancel()
+            call.finished = True
+        except asyncio.CancelledError:
+            self._client_gone(request, "before the response was complete")
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
             raise from_exception(exc) from exc
+        finally:  # also when the client went away: stop the engine's work
+            call.close()
         return JSONResponse(formatter.response(), headers=headers)
 
-    async def _sse(self, first: dict, stream: DeploymentResponseGenerator,
+    async def _sse(self, request: Request, first: dict, call: _EngineCall,
                    formatter: ResponseFormatter) -> AsyncIterator[str]:
-        done = False
+        num_events = 0
         try:
             for chunk in formatter.chunks(first, first=True):
+                num_events += 1
                 yield chunk
-            async for output in stream:
+            async for output in call.stream:
                 for chunk in formatter.chunks(output, first=False):
+                    num_events += 1
                     yield chunk
-            done = True
+            call.finished = True
             for chunk in formatter.final_chunks():
                 yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            if not call.finished:
+                self._client_gone(request, f"after {num_events} events")
+            raise
         except Exception as exc:  # noqa: BLE001 - the headers are gone: an SSE error event
+            call.close()
             error = from_exception(exc)
             self.http_metrics.record_error(error.status_code)
+            log_error(request, error, exc)
             yield sse_error(error)
             yield DONE
-        finally:
-            if not done:  # disconnected or failed: abort the request in the engine
-                stream.cancel()
+        finally:  # disconnected or failed: abort the request in the engine (its blocks are
+            # free within a step)
+            call.close()
+
+    def _client_gone(self, request: Request, when: str) -> None:
+        """A client that disconnected: one log line and a 499 in the metrics (the caller
+        aborts its request in the engine)."""
+        self.http_metrics.record_error(499)
+        log_error(request, client_closed(when))

@@ -2,6 +2,7 @@
 server-sent-event chunks, for completions and chat completions."""
 from __future__ import annotations
 
+import codecs
 import json
 from dataclasses import dataclass, field
 
@@ -11,6 +12,22 @@ from app.records import CompletionDelta, EngineOutput, LogprobEntry
 DONE = "data: [DONE]\n\n"
 
 
+class _TextOffsets:
+    """Character offsets of a choice's tokens in its text, from the tokens' raw bytes: a
+    token that ends inside a character starts where that character starts."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._num_chars = 0
+
+    def advance(self, entry: LogprobEntry) -> int:
+        """The offset of ``entry``'s token; moves past it."""
+        offset = self._num_chars
+        data = entry.token_bytes if entry.token_bytes is not None else (entry.token or "").encode()
+        self._num_chars += len(self._decoder.decode(data))
+        return offset
+
+
 @dataclass
 class _Choice:
     text: list[str] = field(default_factory=list)
@@ -18,6 +35,20 @@ class _Choice:
     logprobs: list[list[LogprobEntry]] = field(default_factory=list)  # per token, sampled first
     finish_reason: str | None = None
     stop_reason: object = None
+    offsets: _TextOffsets = field(default_factory=_TextOffsets)  # streamed legacy logprobs
+
+
+def legacy_token(entry: LogprobEntry) -> str:
+    """A token as the legacy completions ``logprobs`` name it: its text, or, for a token that
+    is not whole UTF-8 by itself (part of an emoji), ``"bytes:"`` and its bytes escaped as
+    ``\\xNN`` (OpenAI's form), so that the name gives the bytes back and two such tokens never
+    share a name."""
+    if entry.token_bytes is None:
+        return entry.token or ""
+    try:
+        return entry.token_bytes.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in entry.token_bytes)
 
 
 class ResponseFormatter:
@@ -42,15 +73,19 @@ class ResponseFormatter:
         self.num_logprobs = num_logprobs
         self.include_usage = include_usage
         self.num_prompt_tokens = 0
+        self.echo_text: str | None = None  # the prompt, put before each choice's text (echo)
 
     # ---- accumulate ----------------------------------------------------------------------
 
     def add(self, output: EngineOutput) -> list[tuple[int, CompletionDelta]]:
         """Record one engine output; returns ``(index, delta)`` per choice it touched."""
         self.num_prompt_tokens = output["num_prompt_tokens"]
+        self.echo_text = output.get("prompt_text", self.echo_text)
         deltas = []
         for delta in output["outputs"]:
             choice = self.choices[delta["index"]]
+            if self.echo_text is not None and not choice.text:
+                delta = {**delta, "text": self.echo_text + delta["text"]}
             choice.text.append(delta["text"])
             choice.num_tokens += len(delta["token_ids"])
             choice.logprobs += delta["logprobs"] or []
@@ -87,28 +122,35 @@ class ResponseFormatter:
 
     def _full_choice(self, index: int, choice: _Choice) -> dict:
         return {"index": index, "text": "".join(choice.text),
-                "logprobs": self._logprobs(choice.logprobs), "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason}
+                "logprobs": self._logprobs(choice.logprobs, _TextOffsets()),
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
     def _delta_choice(self, index: int, delta: CompletionDelta) -> dict:
-        return {"index": index, "text": delta["text"], "logprobs": self._logprobs(delta["logprobs"]),
+        return {"index": index, "text": delta["text"],
+                "logprobs": self._logprobs(delta["logprobs"], self.choices[index].offsets),
                 "finish_reason": delta["finish_reason"], "stop_reason": delta["stop_reason"]}
 
     def _top(self, entry: list[LogprobEntry]) -> list[LogprobEntry]:
         """The top ``num_logprobs`` alternatives of one token, most likely first."""
         return sorted(entry, key=lambda e: e.rank)[: self.num_logprobs]
 
-    def _logprobs(self, entries: list[list[LogprobEntry]] | None) -> dict | None:
-        """Completions' legacy shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    def _logprobs(self, entries: list[list[LogprobEntry]] | None, offsets: _TextOffsets) -> dict | None:
+        """Completions' legacy shape: tokens, token_logprobs, top_logprobs, text_offset.
+
+        ``top_logprobs`` maps each alternative's ``legacy_token`` to its logprob; should two
+        alternatives share a name (two token ids with the same bytes), the higher-ranked one
+        keeps it: the shape cannot show both.
+        """
         if self.num_logprobs is None or entries is None:
             return None
-        offsets, offset = [], 0
+        top_logprobs = []
         for entry in entries:
-            offsets.append(offset)
-            offset += len(entry[0].token or "")
-        return {"tokens": [e[0].token for e in entries], "token_logprobs": [e[0].logprob for e in entries],
-                "top_logprobs": [{alt.token: alt.logprob for alt in self._top(e)} for e in entries],
-                "text_offset": offsets}
+            top: dict[str, float] = {}
+            for alternative in self._top(entry):
+                top.setdefault(legacy_token(alternative), alternative.logprob)
+            top_logprobs.append(top)
+        return {"tokens": [legacy_token(e[0]) for e in entries], "token_logprobs": [e[0].logprob for e in entries],
+                "top_logprobs": top_logprobs, "text_offset": [offsets.advance(e[0]) for e in entries]}
 
 
 class ChatFormatter(ResponseFormatter):
@@ -127,21 +169,23 @@ class ChatFormatter(ResponseFormatter):
 
     def _full_choice(self, index: int, choice: _Choice) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": "".join(choice.text)},
-                "logprobs": self._logprobs(choice.logprobs), "finish_reason": choice.finish_reason,
+                "logprobs": self._logprobs(choice.logprobs, None), "finish_reason": choice.finish_reason,
                 "stop_reason": choice.stop_reason}
 
     def _delta_choice(self, index: int, delta: CompletionDelta) -> dict:
         return {"index": index, "delta": {"content": delta["text"]},
-                "logprobs": self._logprobs(delta["logprobs"]),
+                "logprobs": self._logprobs(delta["logprobs"], None),
                 "finish_reason": delta["finish_reason"], "stop_reason": delta["stop_reason"]}
 
-    def _logprobs(self, entries: list[list[LogprobEntry]] | None) -> dict | None:
+    def _logprobs(self, entries: list[list[LogprobEntry]] | None, offsets: None) -> dict | None:
+        """The chat shape: per token its text, logprob, raw ``bytes`` (joined over the
+        content's tokens they are the content's UTF-8) and ``top_logprobs``."""
         if self.num_logprobs is None or entries is None:
             return None
 
         def item(e: LogprobEntry) -> dict:
-            text = e.token or ""
-            return {"token": text, "logprob": e.logprob, "bytes": list(text.encode("utf-8"))}
+            data = e.token_bytes if e.token_bytes is not None else (e.token or "").encode("utf-8")
+            return {"token": e.token or "", "logprob": e.logprob, "bytes": list(data)}
 
         return {"content": [{**item(entry[0]), "top_logprobs": [item(a) for a in self._top(entry)]}
                             for entry in entries]}

@@ -6,8 +6,9 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
+from engine.errors import InvalidRequestError, excerpt
 from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
@@ -30,9 +31,11 @@ class StreamOptions(BaseModel):
 
 
 class SamplingRequest(BaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. Fields not declared here land in
+    ``model_extra``: ``app.request_fields`` says which of them the API defines (a 400 when
+    set) and which no API defines (ignored)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str = Field(description="The served model's name.")
     n: int = Field(1, description="Choices to generate.")
@@ -45,7 +48,6 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float = Field(0.0, description="In [-2, 2].")
     logit_bias: dict[str, float] | None = Field(None, description="Token id -> bias in [-100, 100].")
     seed: int | None = Field(None, description="Makes sampling repeatable.")
-    user: str | None = Field(None, description="Ignored (OpenAI's end-user id).")
     # vLLM's extras
     top_k: int = Field(-1, description="Keep the k most likely tokens; -1 or 0 = off.")
     min_p: float = Field(0.0, description="Drop tokens below min_p x the top probability.")
@@ -56,12 +58,24 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string in the text.")
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def engine_prompt(self) -> dict:
+        """What ``EngineServer.generate`` takes as its prompt."""
+        raise NotImplementedError
+
+    def max_new_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token, ``None`` without logprobs."""
+        raise NotImplementedError
+
+    def sampling_params(self) -> SamplingParams:
         """The engine's parameters (deltas: the service streams or accumulates them).
 
         Raises:
             ValueError: naming the field and its allowed range.
         """
+        max_tokens, logprobs = self.max_new_tokens(), self.num_logprobs()
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty,
@@ -81,7 +95,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     try:
         return {int(k): v for k, v in (bias or {}).items()}
     except ValueError:
-        raise ValueError(f"logit_bias keys must be token ids (integers); got {list(bias)}") from None
+        raise InvalidRequestError(f"logit_bias keys must be token ids (integers); got "
+                                  f"{excerpt(list(bias))}", "logit_bias") from None
 
 
 class CompletionRequest(SamplingRequest):
@@ -91,25 +106,29 @@ class CompletionRequest(SamplingRequest):
         description="The prompt: text or token ids (one prompt).")
     max_tokens: int | None = Field(16, description="Most tokens per choice.")
     logprobs: int | None = Field(None, description=f"Top alternatives per token, 0..{MAX_LOGPROBS}.")
-    echo: bool = Field(False, description="Not supported: must be false.")
+    echo: bool = Field(False, description="Return the prompt's text before the completion.")
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def engine_prompt(self) -> dict:
+        prompt = self.single_prompt()
+        return {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
 
     def single_prompt(self) -> str | list[int]:
         """The prompt, unwrapped from a one-element list.
 
         Raises:
-            ValueError: for a batch of several prompts.
+            InvalidRequestError: naming ``prompt``, for a batch of several prompts.
         """
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise ValueError(f"prompt: one prompt per request is supported; got {len(prompt)}")
+                raise InvalidRequestError(f"prompt: one prompt per request is supported; got "
+                                          f"{len(prompt)}", "prompt")
             prompt = prompt[0]
         return prompt
 
@@ -141,14 +160,33 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, description="Most tokens per choice.")
     logprobs: bool = Field(False, description="Return the sampled tokens' log probabilities.")
     top_logprobs: int | None = Field(None, description=f"Alternatives per token, 0..{MAX_LOGPROBS}.")
+    add_generation_prompt: bool = Field(True, description="vLLM's: end the prompt with the "
+                                        "chat template's opening of an assistant message.")
+    continue_final_message: bool = Field(False, description="vLLM's: leave the last message "
+                                         "open (no end-of-turn token) for the model to continue; "
+                                         "needs add_generation_prompt false.")
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def engine_prompt(self) -> dict:
+        """The conversation with ``LLMEngine.chat_prompt``'s options."""
+        return {"messages": [{"role": m.role, "content": m.text()} for m in self.messages],
+                "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
     def num_logprobs(self) -> int | None:
+        """``top_logprobs`` as the engine's ``logprobs``, ``None`` when not asked for.
+
+        Raises:
+            InvalidRequestError: naming ``top_logprobs``, out of range or without ``logprobs``.
+        """
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]; got "
+                                      f"{excerpt(self.top_logprobs)}", "top_logprobs")
         if not self.logprobs:
             if self.top_logprobs:
-                raise ValueError("top_logprobs needs logprobs to be true")
+                raise InvalidRequestError("top_logprobs needs logprobs to be true", "top_logprobs")
             return None
         return self.top_logprobs or 0
 

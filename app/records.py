@@ -3,7 +3,7 @@
 across the Ray boundary."""
 from __future__ import annotations
 
-from typing import NamedTuple, TypedDict
+from typing import NamedTuple, NotRequired, TypedDict
 
 
 class LogprobEntry(NamedTuple):
@@ -13,13 +13,17 @@ class LogprobEntry(NamedTuple):
         token_id: the token.
         logprob: its natural-log probability (floored at -9999.0: JSON has no -inf).
         rank: 1 for the most likely token.
-        token: its text (``None`` without a tokenizer).
+        token: its text, ``tokenizer.decode([token_id])`` (``None`` without a tokenizer); U+FFFD
+            for a token that holds part of a character.
+        token_bytes: its own raw bytes (``engine.detokenizer.TokenBytes``; ``None`` without a
+            tokenizer): a sequence's tokens' bytes join to the UTF-8 of its text.
     """
 
     token_id: int
     logprob: float
     rank: int
     token: str | None
+    token_bytes: bytes | None
 
 
 class CompletionDelta(TypedDict):
@@ -42,3 +46,16 @@ class EngineOutput(TypedDict):
     finished: bool
     error: str | None
     outputs: list[CompletionDelta]
+    # the prompt's text, on the first record of a request that asked for it (echo)
+    prompt_text: NotRequired[str]
+
+
+class Rejection(TypedDict):
+    """The only record of a request the engine replica refused (a bad request, or a full
+    waiting queue): sent as data rather than raised across Ray, because the client's fault is
+    no server failure to log with a traceback. Fields as ``app.errors.OpenAIError``'s."""
+
+    status_code: int
+    message: str
+    param: str | None
+    code: str | None

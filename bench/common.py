@@ -18,7 +18,10 @@ import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+# Where runs write by default: git-ignored, so that no command changes the checkout.
+# bench/results/ holds the committed reference results (docs/PERFORMANCE.md); a run updates
+# one only when its --out names it.
+RESULTS = ROOT / "results"
 sys.path.insert(0, str(ROOT))  # `python bench/x.py` imports the project's packages
 
 from engine.device import cpu_has_bf16_matmul  # noqa: E402
@@ -150,6 +153,7 @@ def percentiles(values: list[float], points=(50, 90, 99)) -> dict:
 
 
 def write_result(name: str, result: dict, out: Path | None = None) -> Path:
+    """Write ``result`` as JSON to ``out``, by default ``results/<name>-<date>.json``."""
     path = out or RESULTS / f"{name}-{datetime.date.today().isoformat()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")

@@ -9,8 +9,9 @@
 #                 batch-1 decode step vs the weight-read limit, GPU-busy share of decode steps
 #   kernel_bench  decode attention GB/s against the device's copy bandwidth
 #   engine_torch  the same engine run with the torch reference backend
-# Everything is merged into DIR/gpu_check-<YYYY-MM-DD>.json; with --out DIR or $OUT set, the
-# parts' logs stay in DIR/gpu_check-parts/. DIR: --out, else $OUT, else bench/results.
+# Everything is merged into DIR/gpu_check-<YYYY-MM-DD>.json, the parts' logs beside it in
+# DIR/gpu_check-parts/. DIR: --out, else $OUT, else results (git-ignored); --out bench/results
+# adds a committed reference (then the parts' logs go to a temporary folder).
 #
 # Python: $GPU_CHECK_PYTHON, .venv/bin/python or python3, the first whose torch sees CUDA (a
 # GPU machine's own stack: torch, triton, transformers, tokenizers, safetensors, numpy,
@@ -65,7 +66,7 @@ export PYTHONUNBUFFERED=1
 
 DATE=$(date +%F)
 if [ -z "$out_dir" ]; then
-  if (( dry_run )); then out_dir=$(mktemp -d); else out_dir=bench/results; fi
+  if (( dry_run )); then out_dir=$(mktemp -d); else out_dir=results; fi
 fi
 mkdir -p "$out_dir" || exit 2
 if [ "$out_dir" = bench/results ]; then

@@ -18,7 +18,7 @@ It is one part of ``bench/gpu_check.sh``.
 
 ``cpu`` benchmarks the CPU backend (``bench/kernel_bench_cpu.py``): decode attention GB/s
 against the same run's copy bandwidth in bf16 and fp32, and prefill attention against the
-per-sequence path; a table, and JSON and PNG under ``bench/results/local/`` (git-ignored).
+per-sequence path; a table, and JSON and PNG under ``results/`` (git-ignored).
 
 Usage::
 
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu.add_argument("--rounds", type=int, default=5, help="timed calls per combination")
     cpu.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
     cpu.add_argument("--no-prefill", action="store_true", help="decode only")
-    cpu.add_argument("--out", type=Path, help="JSON path (default bench/results/local/...)")
+    cpu.add_argument("--out", type=Path, help="JSON path (default results/..., git-ignored)")
     args = parser.parse_args(argv)
 
     if args.command == "cpu":

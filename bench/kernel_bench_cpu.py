@@ -32,7 +32,7 @@ import torch
 from kernel_bench import QWEN2_5_7B, AttentionShape, decode_bytes, gbps, make_decode_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "local"  # git-ignored
+RESULTS = ROOT / "results"  # git-ignored; the same folder as bench/common.py's RESULTS
 SHAPES = {"smollm2-135m": AttentionShape(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16),
           "qwen2.5-7b": QWEN2_5_7B}
 BATCHES = (1, 4, 16, 64, 256)

@@ -172,7 +172,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="8,16,32", help="transformers static batch sizes")
     parser.add_argument("--skip-continuous", action="store_true", help="skip transformers' CB")
     parser.add_argument("--quick", action="store_true", help="8 short requests (CI)")
-    parser.add_argument("--out", type=Path, help="result JSON (default bench/results/...)")
+    parser.add_argument("--out", type=Path, help="result JSON (default results/..., git-ignored)")
     args = parser.parse_args()
 
     workload = load_workload(args.workload, args.quick)

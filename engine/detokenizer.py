@@ -6,6 +6,9 @@ token decodes in context (a leading space stays a space).
 """
 from __future__ import annotations
 
+import json
+import re
+
 from tokenizers.decoders import DecodeStream
 
 from engine.sampling_params import SamplingParams
@@ -105,3 +108,57 @@ class StopMatcher:
             return True
         self.matched = k
         return False
+
+
+_BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenBytes:
+    """Each token's own raw bytes, as OpenAI's logprob ``bytes`` field means them: the bytes
+    that token adds to the UTF-8 text, so that a sequence's tokens' bytes join to exactly
+    the UTF-8 of its text, even where one character spans several tokens (an emoji is often
+    three). ``tokenizer.decode([token_id])`` cannot give them: a token that holds part of a
+    character decodes to U+FFFD.
+
+    How a token's string maps back to bytes depends on the tokenizer's decoder:
+
+    - byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM2): every byte was written as one printable
+      character (GPT-2's ``bytes_to_unicode`` table, from transformers); the inverse table
+      gives the bytes back.
+    - SentencePiece with byte fallback (Llama 2, Mistral): ``<0xNN>`` tokens are the byte
+      ``NN``; other pieces are UTF-8 text with "▁" for a space.
+    - added tokens (``<|im_end|>``) and any other decoder: the UTF-8 of the token's text.
+
+    Args:
+        tokenizer: a transformers fast tokenizer.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        self._tokenizer = tokenizer
+        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+        decoder_types = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        self._byte_level = "ByteLevel" in decoder_types
+        self._byte_decoder = {char: byte for byte, char in bytes_to_unicode().items()}
+        self._added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        """The token's raw bytes (possibly an incomplete UTF-8 sequence)."""
+        cached = self._cache.get(token_id)
+        if cached is None:
+            cached = self._cache[token_id] = self._bytes(token_id)
+        return cached
+
+    def _bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode("utf-8")
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if self._byte_level and all(char in self._byte_decoder for char in piece):
+            return bytes(self._byte_decoder[char] for char in piece)
+        if (match := _BYTE_FALLBACK_TOKEN.fullmatch(piece)) is not None:
+            return bytes([int(match.group(1), 16)])
+        if not self._byte_level and "▁" in piece:
+            return piece.replace("▁", " ").encode("utf-8")
+        return self._tokenizer.decode([token_id]).encode("utf-8")

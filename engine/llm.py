@@ -69,11 +69,14 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the tokenizer's
-        chat template (with the generation prompt added)."""
+        chat template (``LLMEngine.chat_prompt``: by default with the generation prompt
+        added; ``continue_final_message`` continues the last message instead)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.llm_engine.chat_prompt(conversation) for conversation in conversations]
+        prompts = [self.llm_engine.chat_prompt(conversation, add_generation_prompt, continue_final_message)
+                   for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _add_requests(self, prompts, sampling_params) -> list[str]:

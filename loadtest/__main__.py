@@ -19,6 +19,7 @@ import gevent  # noqa: E402
 from locust.env import Environment  # noqa: E402
 from locust.stats import CSV_STATS_INTERVAL_SEC, PERCENTILES_TO_REPORT, StatsCSVFileWriter, stats_history  # noqa: E402
 
+from loadtest import DEFAULT_OUT  # noqa: E402
 from loadtest.locustfile import OpenAIStreamingUser  # noqa: E402
 
 METRICS = {"ttft_ms": ("METRIC", "TTFT"), "tpot_ms": ("METRIC", "TPOT"),
@@ -110,7 +111,8 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=4)
     parser.add_argument("--spawn-rate", type=float, default=4.0)
     parser.add_argument("--duration", type=float, default=60.0, help="seconds")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/loadtest"))
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"results folder (default {DEFAULT_OUT})")
     args = parser.parse_args()
     summary = run(args.host, args.users, args.spawn_rate, args.duration, args.out)
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))

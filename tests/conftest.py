@@ -2,7 +2,10 @@
 ``TRITON_INTERPRET`` must be set before triton is first imported, and pytest imports this
 file before any test module."""
 import os
+import subprocess
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -13,8 +16,6 @@ def pytest_collection_modifyitems(config, items):
     """Mark what ``make test-fast`` leaves out: everything under ``tests/e2e`` and every test
     that talks to the served application (the ``api`` fixture) is ``e2e``. ``gpu`` tests
     are skipped without CUDA."""
-    import pytest
-
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "/tests/e2e/" in str(item.path) or "api" in getattr(item, "fixturenames", ()):
@@ -23,3 +24,32 @@ def pytest_collection_modifyitems(config, items):
         # as the checkout's directory (a checkout in .../gpu would skip every test).
         if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
             item.add_marker(no_gpu)
+
+
+_STATUS_AT_START = pytest.StashKey[str | None]()
+
+
+def _git_status() -> str | None:
+    """``git status --porcelain`` of the checkout, ``None`` outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain"], cwd=Path(__file__).resolve().parents[1],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_STATUS_AT_START] = _git_status()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """No test may write into the checkout: a run that starts clean must end clean (results
+    belong in tmp_path or a git-ignored folder)."""
+    if session.config.stash.get(_STATUS_AT_START, None) != "":
+        return  # not a git checkout, or already changed by the developer
+    after = _git_status()
+    if after:
+        session.config.get_terminal_writer().line(
+            f"the test run changed the checkout (git status --porcelain):\n{after}", red=True)
+        session.exitstatus = 1

@@ -9,7 +9,11 @@ MODEL = "smollm2-135m-instruct"
 
 @pytest.fixture(scope="package")
 def api():
+    """The service; ``metrics_at_start`` is its ``GET /metrics`` right after it is ready."""
+    import requests
+
     with ServeProcess(["make", "run"]) as app:
+        app.metrics_at_start = requests.get(app.url + "/metrics", timeout=30).text
         yield app
 
 

@@ -1,4 +1,5 @@
-"""Clients that go away free their blocks within a step; metrics reach Ray's endpoint."""
+"""Clients that go away free their blocks within a step; metrics on the service's own port
+from the start, and at Ray's endpoint."""
 import asyncio
 import json
 import re
@@ -65,9 +66,10 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(api):
     assert idle, stats
 
 
-def _ray_metrics_text() -> str:
+def _ray_metrics_text(api) -> str:
     """Prometheus text from every target Ray lists for its metrics (its service discovery file)."""
-    targets = json.loads(Path("/tmp/ray/prom_metrics_service_discovery.json").read_text())[0]["targets"]
+    discovery = api.session_dir() / "prom_metrics_service_discovery.json"
+    targets = json.loads(discovery.read_text())[0]["targets"]
     return "\n".join(requests.get(f"http://{t}/metrics", timeout=10).text for t in targets)
 
 
@@ -87,7 +89,62 @@ def test_engine_metrics_are_exported_by_ray(api):
     deadline = time.monotonic() + 30  # Ray exports on a period of a few seconds
     missing = patterns
     while missing and time.monotonic() < deadline:
-        text = _ray_metrics_text()
+        text = _ray_metrics_text(api)
         missing = [p for p in patterns if not re.search(p, text, re.M)]
         time.sleep(1.0)
     assert not missing, f"not exported: {missing}"
+
+
+def _readme_metric_names() -> list[str]:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return sorted(set(re.findall(r"`(mini_infer_[a-z0-9_]+)`", readme)))
+
+
+def _families(text: str) -> dict[str, str]:
+    """Metric family name -> type, from Prometheus text."""
+    return dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+
+
+def test_metrics_on_the_http_port_list_every_readme_series_from_the_start(api):
+    names = _readme_metric_names()
+    assert len(names) >= 12, names
+    families = _families(api.metrics_at_start)
+    missing = [n for n in names if n not in families and n.removesuffix("_total") not in families]
+    assert not missing, api.metrics_at_start
+    text = api.metrics_at_start
+    assert re.search(r'^mini_infer_num_preemptions_total\{[^}]*\} 0\.0$', text, re.M)
+    for reason in ("stop", "length", "abort"):
+        assert re.search(rf'^mini_infer_request_success_total\{{[^}}]*finished_reason="{reason}"', text, re.M)
+    for status in ("400", "401", "404", "408", "413", "499", "500", "503"):
+        assert re.search(rf'^mini_infer_http_errors_total\{{status_code="{status}"\}}', text, re.M)
+    assert re.search(r'^mini_infer_time_to_first_token_seconds_bucket\{le="\+Inf",', text, re.M)
+
+
+def test_metrics_count_what_happens(api):
+    def sample(text: str, pattern: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{pattern} (\S+)$", text, re.M))
+
+    before = requests.get(api.url + "/metrics", timeout=30)
+    assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
+    requests.post(api.url + "/v1/completions", timeout=60,
+                  json={"model": MODEL, "prompt": "Hi", "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+    requests.post(api.url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "Hi", "top_p": 9})
+    after = requests.get(api.url + "/metrics", timeout=30).text
+    generated = r"mini_infer_generation_tokens_total\{[^}]*\}"
+    assert sample(after, generated) - sample(before.text, generated) == 5
+    errors = r'mini_infer_http_errors_total\{status_code="400"\}'
+    assert sample(after, errors) - sample(before.text, errors) == 1
+
+
+def test_render_merges_replicas_into_one_family_each():
+    from app.metrics import HttpMetrics, render
+
+    first, second = HttpMetrics(), HttpMetrics()
+    first.record_error(400)
+    second.record_error(400)
+    second.record_error(503)
+    text = render([first.families(), second.families()]).decode()
+    assert text.count("# TYPE mini_infer_http_errors_total counter") == 1
+    assert 'mini_infer_http_errors_total{status_code="400"} 2.0' in text
+    assert 'mini_infer_http_errors_total{status_code="503"} 1.0' in text
+    assert 'mini_infer_http_errors_total{status_code="404"} 0.0' in text

@@ -1,10 +1,10 @@
 """Two engine replicas (ray_configs/serve_multi_replica.yaml): requests reach both; one
 killed mid-load hangs no client and the app recovers. Real HTTP on 127.0.0.1, bounded."""
 import asyncio
+import re
 import time
 
 import aiohttp
-import psutil
 import pytest
 import requests
 
@@ -19,14 +19,6 @@ KEY = "test-key-123"
 def two_replicas():
     with ServeProcess([SERVE, "run", "ray_configs/serve_multi_replica.yaml"], num_engine_replicas=2) as app:
         yield app
-
-
-def _engine_replica_processes() -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        if "ServeReplica:default:EngineServer" in " ".join(proc.info["cmdline"] or []):
-            found.append(proc)
-    return found
 
 
 async def _complete(session, url, i, timeout=90):
@@ -61,10 +53,13 @@ def test_requests_reach_both_replicas(two_replicas):
     assert len(seen) == 2 and set(statuses) == {200}, (seen, statuses)
     replicas = requests.get(two_replicas.url + "/stats", timeout=10).json()["replicas"]
     assert len({r["replica_id"] for r in replicas}) == 2
+    metrics = requests.get(two_replicas.url + "/metrics", timeout=10).text
+    running = re.findall(r'^mini_infer_num_requests_running\{[^}]*replica="([^"]+)"', metrics, re.M)
+    assert sorted(running) == sorted(r["replica_id"] for r in replicas)
 
 
 def test_killing_a_replica_mid_load_hangs_no_client_and_the_app_recovers(two_replicas):
-    victims = _engine_replica_processes()
+    victims = two_replicas.engine_replicas()
     assert len(victims) == 2
 
     async def client(session, i, stop_at):
@@ -97,4 +92,4 @@ def test_killing_a_replica_mid_load_hangs_no_client_and_the_app_recovers(two_rep
     while two_replicas.num_replicas_up() < 2 and time.monotonic() < deadline:
         time.sleep(1)
     assert two_replicas.num_replicas_up() == 2
-    assert victims[0].pid not in {p.pid for p in _engine_replica_processes()}
+    assert victims[0].pid not in {p.pid for p in two_replicas.engine_replicas()}

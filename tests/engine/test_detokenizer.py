@@ -1,7 +1,7 @@
 """Incremental detokenization: UTF-8 safety, spaces, stop strings and held-back text."""
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, TokenBytes
 from engine.sampling_params import SamplingParams
 
 TEXTS = [
@@ -104,3 +104,33 @@ def test_long_stop_strings_hold_back_only_their_matched_prefix(tokenizer):
     emitted = "".join(detok.pop_delta(finished=False) for _ in map(detok.step, ids))
     assert emitted == ""  # all of "abab..." could still become a stop string
     assert detok.pop_delta(finished=True) == "ab" * 3000
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_join_to_the_utf8_of_the_text(tokenizer, text):
+    token_bytes = TokenBytes(tokenizer)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert b"".join(token_bytes(i) for i in ids) == text.encode("utf-8")
+    if any(ord(c) > 0x7FF for c in text):  # some token holds part of a character
+        assert any(tokenizer.decode([i]) == "\ufffd" and token_bytes(i) != "\ufffd".encode() for i in ids)
+
+
+def test_token_bytes_of_special_tokens_are_their_text(tokenizer):
+    token_bytes = TokenBytes(tokenizer)
+    assert token_bytes(tokenizer.eos_token_id) == tokenizer.eos_token.encode()
+
+
+def test_token_bytes_of_a_sentencepiece_tokenizer_with_byte_fallback():
+    """Llama 2 / Mistral style: "▁" for a space, ``<0xNN>`` byte tokens."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁cat": 1, "▁": 2, "<0xF0>": 3, "<0x9F>": 4, "<0x90>": 5, "<0xB1>": 6, "s": 7}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    token_bytes = TokenBytes(tokenizer)
+    ids = [1, 7, 2, 3, 4, 5, 6]  # " cats 🐱"
+    assert b"".join(token_bytes(i) for i in ids) == " cats 🐱".encode()
+    assert [token_bytes(i) for i in (3, 1)] == [b"\xf0", b" cat"]

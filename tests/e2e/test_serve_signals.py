@@ -1,0 +1,29 @@
+"""``make run`` stops cleanly on SIGTERM (what a process manager sends) and on Ctrl-C (SIGINT
+to the terminal's foreground process group): Serve shuts down, then Ray; no traceback, no C++
+stack dump, nothing left running."""
+import os
+import signal
+
+import psutil
+import pytest
+
+from tests.serve_process import ServeProcess
+
+UNCLEAN = ("Traceback", "SIGTERM received", "logging.cc", "Task exception was never retrieved")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+def test_make_run_stops_cleanly(how):
+    with ServeProcess(["make", "run"]) as app:
+        family = psutil.Process(app.process.pid).children(recursive=True)
+        if how == "sigterm":
+            os.kill(app.process.pid, signal.SIGTERM)
+        else:
+            os.killpg(app.process.pid, signal.SIGINT)
+        app.process.wait(timeout=120)
+        _, alive = psutil.wait_procs(family, timeout=30)
+        log = app.log_path.read_text(errors="replace")
+    assert "Got KeyboardInterrupt, shutting down" in log, log[-3000:]
+    assert [mark for mark in UNCLEAN if mark in log] == [], log[-3000:]
+    assert alive == [], [str(p) for p in alive]
