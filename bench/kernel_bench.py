@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu.add_argument("--dtypes", default="bfloat16,float32")
     cpu.add_argument("--batches", default="1,4,16,64,256")
     cpu.add_argument("--contexts", default="128,512,1024,2048,4096")
-    cpu.add_argument("--isa", default="auto", help="auto, or one of kernels.cpu_attention.supported_isas()")
+    cpu.add_argument("--isa", help="auto, or one of kernels.cpu_attention.supported_isas() "
+                     "(default: $MINI_INFER_CPU_ISA, else auto)")
     cpu.add_argument("--rounds", type=int, default=5, help="timed calls per combination")
     cpu.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
     cpu.add_argument("--no-prefill", action="store_true", help="decode only")

@@ -85,7 +85,7 @@ def make_prefill_inputs(seqs: list[tuple[int, int]], shape: AttentionShape, dtyp
             query_start_loc, torch.tensor([s for s, _ in seqs], dtype=torch.int32), shape.head_dim ** -0.5]
 
 
-def decode_row(batch: int, context: int, shape: AttentionShape, dtype: torch.dtype, isa: str,
+def decode_row(batch: int, context: int, shape: AttentionShape, dtype: torch.dtype, isa: str | None,
                flush: torch.Tensor, copy: tuple[torch.Tensor, torch.Tensor], rounds: int) -> dict:
     """One batch x context in one dtype: kernel and copy times, GB/s, share of copy.
     ``copy`` is (destination, source)."""
@@ -107,7 +107,7 @@ def decode_row(batch: int, context: int, shape: AttentionShape, dtype: torch.dty
     return row
 
 
-def prefill_rows(shape: AttentionShape, dtype: torch.dtype, flush: torch.Tensor, rounds: int,
+def prefill_rows(shape: AttentionShape, dtype: torch.dtype, isa: str | None, flush: torch.Tensor, rounds: int,
                  cases=PREFILL_CASES) -> list[dict]:
     """Each case through the kernel and through the reference's per-sequence path."""
     from kernels import cpu_attention, reference
@@ -115,7 +115,7 @@ def prefill_rows(shape: AttentionShape, dtype: torch.dtype, flush: torch.Tensor,
     rows = []
     for name, seqs in cases:
         args = make_prefill_inputs(seqs, shape, dtype)
-        seconds = time_turns({"kernel": functools.partial(cpu_attention.paged_attention, *args),
+        seconds = time_turns({"kernel": functools.partial(cpu_attention.paged_attention, *args, isa=isa),
                               "per_sequence": functools.partial(reference.paged_attention, *args)}, flush, rounds)
         rows.append({"case": name, "query_tokens": int(args[0].shape[0]),
                      "kernel_ms": _sig(seconds["kernel"] * 1e3), "per_sequence_ms": _sig(seconds["per_sequence"] * 1e3),
@@ -136,7 +136,7 @@ def cpu_info() -> dict:
 
 
 def run_cpu(shape_name: str = "smollm2-135m", dtypes=DTYPES, batches=BATCHES, contexts=CONTEXTS,
-            isa: str = "auto", rounds: int = 5, prefill_cases=PREFILL_CASES, copy_bytes: int = COPY_BYTES,
+            isa: str | None = None, rounds: int = 5, prefill_cases=PREFILL_CASES, copy_bytes: int = COPY_BYTES,
             flush_bytes: int = FLUSH_BYTES, log=print) -> dict:
     """Every combination; returns the result as JSON-able data."""
     from kernels import cpu_attention
@@ -146,7 +146,7 @@ def run_cpu(shape_name: str = "smollm2-135m", dtypes=DTYPES, batches=BATCHES, co
     copy = (torch.empty(copy_bytes, dtype=torch.uint8), torch.ones(copy_bytes, dtype=torch.uint8))
     result = {"date": datetime.date.today().isoformat(), **cpu_info(), "torch": torch.__version__,
               "threads": torch.get_num_threads(), "shape_name": shape_name, "shape": asdict(shape),
-              "isa": cpu_attention.selected_isa(shape.head_dim) if isa == "auto" else isa,
+              "isa": cpu_attention.selected_isa(shape.head_dim, isa),
               "supported_isas": cpu_attention.supported_isas(),
               "load_average_before": os.getloadavg(),  # other processes on a shared machine
               "decode": {}, "prefill": {}}
@@ -158,7 +158,7 @@ def run_cpu(shape_name: str = "smollm2-135m", dtypes=DTYPES, batches=BATCHES, co
                 rows.append(decode_row(batch, context, shape, dtype, isa, flush, copy, rounds))
                 log(f"{dtype_name} " + format_decode_table(rows[-1:]).splitlines()[-1])
         if prefill_cases:
-            result["prefill"][dtype_name] = prefill_rows(shape, dtype, flush, rounds, prefill_cases)
+            result["prefill"][dtype_name] = prefill_rows(shape, dtype, isa, flush, rounds, prefill_cases)
     result["load_average_after"] = os.getloadavg()
     return result
 

@@ -5,8 +5,10 @@ The kernels are compiled once per instruction set into one extension (AVX-512 wi
 AVX512_BF16, AVX-512F, AVX2 + FMA + F16C, portable scalar; only the scalar one off x86-64 or
 with a compiler other than GCC), without ``-march``: the build does not depend on the build
 host's CPU, and each call runs the best kernels the running CPU supports (``supported_isas``),
-or the ones a caller names. The extension's name carries a hash of its sources, so a build
-cache never serves an older build.
+or the ones a caller names, or else the ones ``$MINI_INFER_CPU_ISA`` names (e.g.
+``MINI_INFER_CPU_ISA=avx2 python -m engine generate ...`` runs the engine on the AVX2 kernels
+of a CPU with AVX-512). The extension's name carries a hash of its sources, so a build cache
+never serves an older build.
 
 It is compiled on first use with ``torch.utils.cpp_extension`` (g++ and ninja, about a minute)
 and cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``);
@@ -27,6 +29,7 @@ import torch
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "attention_kernels.cpp"]
+ISA_ENV = "MINI_INFER_CPU_ISA"  # the kernels a call that names none runs: "auto" or a name
 
 
 def extension_name() -> str:
@@ -70,19 +73,29 @@ def supported_isas() -> list[str]:
     return list(load().supported_isas())
 
 
-def selected_isa(head_dim: int) -> str:
-    """The instruction set ``isa="auto"`` uses at ``head_dim`` (the AVX-512 kernels need a
-    multiple of 16, AVX2's of 8)."""
-    return load().selected_isa(head_dim)
+def _isa(isa: str | None) -> str:
+    return isa or os.environ.get(ISA_ENV) or "auto"
+
+
+def selected_isa(head_dim: int, isa: str | None = None) -> str:
+    """The instruction set a call with ``isa`` runs at ``head_dim``: "auto" picks the best
+    this CPU runs at that head_dim (the AVX-512 kernels need a multiple of 16, AVX2's of 8);
+    None means ``$MINI_INFER_CPU_ISA``, else "auto".
+
+    Raises:
+        RuntimeError: as ``paged_attention`` for an ``isa`` this CPU cannot run.
+    """
+    return load().selected_isa(head_dim, _isa(isa))
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float, isa: str = "auto", num_splits: int = 0) -> torch.Tensor:
+                    scale: float, isa: str | None = None, num_splits: int = 0) -> torch.Tensor:
     """Same contract as ``kernels.reference.paged_attention`` (CPU tensors; fp32, bf16 or fp16).
 
     Args:
-        isa: ``"auto"`` (the best this CPU runs) or one of ``supported_isas()``.
+        isa: ``"auto"`` (the best this CPU runs), one of ``supported_isas()``, or None:
+            ``$MINI_INFER_CPU_ISA`` where set, else ``"auto"``.
         num_splits: 0 splits a decode token's context across threads only when the batch has
             too few tasks to keep every thread busy; ``n > 0`` splits every one ``n`` ways.
 
@@ -91,4 +104,4 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             a query longer than its sequence, or an ``isa`` this CPU cannot run.
     """
     return load().paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                  scale, isa, num_splits)
+                                  scale, _isa(isa), num_splits)

@@ -80,10 +80,12 @@ const IsaKernels& select_kernels(const std::string& isa, int64_t head_dim) {
       return k;
     }
   }
-  TORCH_CHECK(false, "paged_attention: unknown isa '", isa, "'; this CPU runs: ", c10::Join(", ", supported_isas()));
+  TORCH_CHECK(false, "paged_attention: unknown isa '", isa, "' (the isa argument or $MINI_INFER_CPU_ISA); this CPU runs: ",
+              c10::Join(", ", supported_isas()));
 }
 
-std::string selected_isa(int64_t head_dim) { return select_kernels("auto", head_dim).name; }
+// The kernels `isa` ("auto" or a name) runs at head_dim; errors as select_kernels.
+std::string selected_isa(int64_t head_dim, const std::string& isa) { return select_kernels(isa, head_dim).name; }
 
 // ---------------------------------------------------------------- planning
 
@@ -329,5 +331,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("isa") = "auto", py::arg("num_splits") = 0);
   m.def("supported_isas", &supported_isas, "Instruction sets this CPU runs, best first");
-  m.def("selected_isa", &selected_isa, "The instruction set 'auto' picks for a head_dim", py::arg("head_dim"));
+  m.def("selected_isa", &selected_isa, "The instruction set a call with `isa` runs at a head_dim", py::arg("head_dim"),
+        py::arg("isa") = "auto");
 }

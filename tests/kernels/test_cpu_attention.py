@@ -4,6 +4,7 @@ with -1 and NaN-poisoned caches: decode tokens (with and without the context spl
 threads), whole prompts, chunks after cached tokens and mixed batches; GQA groups 1, 3, 7;
 lengths 15, 16, 17 around a block boundary; head_dim 64, 128 and 80; fp32, bf16 and fp16."""
 import functools
+import re
 import shutil
 
 import pytest
@@ -83,12 +84,26 @@ def test_isas_best_first_and_auto_falls_back_by_head_dim():
 
 def test_forced_isa_errors_name_the_problem():
     batch, _ = _case("decode-g1-d64-b16", torch.float32)
-    with pytest.raises(RuntimeError, match="unknown isa 'sse9'; this CPU runs: " + ", ".join(ISAS)):
+    with pytest.raises(RuntimeError, match=re.escape("unknown isa 'sse9' (the isa argument or $MINI_INFER_CPU_ISA); "
+                                                       "this CPU runs: " + ", ".join(ISAS))):
         cpu_attention.paged_attention(*batch.args(), isa="sse9")
     if "avx512" in ISAS:
         odd = make_batch([(5, 1)], 2, 2, 72, 16, torch.float32)
         with pytest.raises(RuntimeError, match="'avx512' kernels need head_dim a multiple of 16; got 72"):
             cpu_attention.paged_attention(*odd.args(), isa="avx512")
+
+
+def test_the_environment_picks_the_kernels_of_calls_that_name_none(monkeypatch):
+    batch, _ = _case("mixed-g3-d64-b32", torch.bfloat16)
+    for isa in ISAS:
+        monkeypatch.setenv(cpu_attention.ISA_ENV, isa)
+        assert cpu_attention.selected_isa(64) == isa
+        assert torch.equal(cpu_attention.paged_attention(*batch.args()),
+                           cpu_attention.paged_attention(*batch.args(), isa=isa))
+    assert cpu_attention.selected_isa(64, "auto") == ISAS[0]  # an argument beats the environment
+    monkeypatch.setenv(cpu_attention.ISA_ENV, "sse9")
+    with pytest.raises(RuntimeError, match=re.escape("unknown isa 'sse9' (the isa argument or $MINI_INFER_CPU_ISA)")):
+        cpu_attention.selected_isa(64)
 
 
 def test_bad_block_table_and_lengths_are_errors_not_reads():
