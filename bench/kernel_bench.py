@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                      "(default: $MINI_INFER_CPU_ISA, else auto)")
     cpu.add_argument("--rounds", type=int, default=5, help="timed calls per combination")
     cpu.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
+    cpu.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                     help="time by the wall clock, or (with --threads 1) the thread's CPU time, which leaves out "
+                          "waits for a core on a shared host")
     cpu.add_argument("--no-prefill", action="store_true", help="decode only")
     cpu.add_argument("--out", type=Path, help="JSON path (default results/..., git-ignored)")
     args = parser.parse_args(argv)

@@ -7,7 +7,9 @@ K and V of every context token, the query in and the output out) next to the cop
 of a 256 MiB tensor (read + write bytes) timed in the same loop: the kernel and the copy take
 turns, so a neighbour that slows the machine slows both. The last level cache is flushed
 before every timed call (in the engine each layer's K/V has left it by the time it is read
-again). Times are medians.
+again). Times are medians, of wall time, or with ``--clock cpu`` (one thread only) of the
+calling thread's CPU time (``time.thread_time``): on a shared host that leaves out the time
+the thread waited for a core, which wall time counts mostly against the longer copy.
 
 Prefill: a whole batch of prompts or a chunk after cached tokens through the same call, against
 the reference's per-sequence path (``kernels.reference.paged_attention``: gather each
@@ -23,6 +25,7 @@ import functools
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -41,6 +44,7 @@ DTYPES = ("bfloat16", "float32")
 COPY_BYTES = 256 * 2**20
 FLUSH_BYTES = 128 * 2**20  # more than the last level cache (32 MiB on the CPU this was written on)
 # (name, [(seq_len, query_len)]): prompts as the engine's 2,048-token chunks meet them
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 PREFILL_CASES = (
     ("8 prompts x 256", [(256, 256)] * 8),
     ("1 prompt x 2048", [(2048, 2048)]),
@@ -55,17 +59,18 @@ def _sig(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def time_turns(fns: dict[str, Callable[[], object]], flush: torch.Tensor, rounds: int) -> dict[str, float]:
-    """Median seconds of each function, called in turn ``rounds`` times after one warmup
-    round; the last level cache is flushed (``flush`` written) before every call."""
+def time_turns(fns: dict[str, Callable[[], object]], flush: torch.Tensor, rounds: int,
+               clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Median seconds (by ``clock``) of each function, called in turn ``rounds`` times after
+    one warmup round; the last level cache is flushed (``flush`` written) before every call."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(rounds + 1):
         for name, fn in fns.items():
             flush.add_(1)
-            start = time.perf_counter()
+            start = clock()
             fn()
             if i:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -86,7 +91,8 @@ def make_prefill_inputs(seqs: list[tuple[int, int]], shape: AttentionShape, dtyp
 
 
 def decode_row(batch: int, context: int, shape: AttentionShape, dtype: torch.dtype, isa: str | None,
-               flush: torch.Tensor, copy: tuple[torch.Tensor, torch.Tensor], rounds: int) -> dict:
+               flush: torch.Tensor, copy: tuple[torch.Tensor, torch.Tensor], rounds: int,
+               clock: Callable[[], float] = time.perf_counter) -> dict:
     """One batch x context in one dtype: kernel and copy times, GB/s, share of copy.
     ``copy`` is (destination, source)."""
     from kernels import cpu_attention, reference
@@ -95,7 +101,7 @@ def decode_row(batch: int, context: int, shape: AttentionShape, dtype: torch.dty
     args = [inputs[k] for k in ("query", "k_cache", "v_cache", "block_tables", "query_start_loc",
                                 "seq_lens", "scale")]
     kernel = lambda: cpu_attention.paged_attention(*args, isa=isa)  # noqa: E731
-    seconds = time_turns({"kernel": kernel, "copy": lambda: copy[0].copy_(copy[1])}, flush, rounds)
+    seconds = time_turns({"kernel": kernel, "copy": lambda: copy[0].copy_(copy[1])}, flush, rounds, clock)
     num_bytes = decode_bytes(batch, context, replace(shape, elem_size=dtype.itemsize))
     kernel_gbps = gbps(num_bytes, seconds["kernel"] * 1e3)
     copy_gbps = gbps(2 * copy[1].numel(), seconds["copy"] * 1e3)
@@ -108,15 +114,16 @@ def decode_row(batch: int, context: int, shape: AttentionShape, dtype: torch.dty
 
 
 def prefill_rows(shape: AttentionShape, dtype: torch.dtype, isa: str | None, flush: torch.Tensor, rounds: int,
-                 cases=PREFILL_CASES) -> list[dict]:
+                 cases=PREFILL_CASES, clock: Callable[[], float] = time.perf_counter) -> list[dict]:
     """Each case through the kernel and through the reference's per-sequence path."""
     from kernels import cpu_attention, reference
 
     rows = []
     for name, seqs in cases:
         args = make_prefill_inputs(seqs, shape, dtype)
-        seconds = time_turns({"kernel": functools.partial(cpu_attention.paged_attention, *args, isa=isa),
-                              "per_sequence": functools.partial(reference.paged_attention, *args)}, flush, rounds)
+        fns = {"kernel": functools.partial(cpu_attention.paged_attention, *args, isa=isa),
+               "per_sequence": functools.partial(reference.paged_attention, *args)}
+        seconds = time_turns(fns, flush, rounds, clock)
         rows.append({"case": name, "query_tokens": int(args[0].shape[0]),
                      "kernel_ms": _sig(seconds["kernel"] * 1e3), "per_sequence_ms": _sig(seconds["per_sequence"] * 1e3),
                      "speedup": _sig(seconds["per_sequence"] / seconds["kernel"])})
@@ -137,15 +144,16 @@ def cpu_info() -> dict:
 
 def run_cpu(shape_name: str = "smollm2-135m", dtypes=DTYPES, batches=BATCHES, contexts=CONTEXTS,
             isa: str | None = None, rounds: int = 5, prefill_cases=PREFILL_CASES, copy_bytes: int = COPY_BYTES,
-            flush_bytes: int = FLUSH_BYTES, log=print) -> dict:
-    """Every combination; returns the result as JSON-able data."""
+            flush_bytes: int = FLUSH_BYTES, log=print, clock: str = "wall") -> dict:
+    """Every combination; returns the result as JSON-able data. ``clock``: a key of ``CLOCKS``
+    ("cpu" measures the calling thread only: use it with one torch thread)."""
     from kernels import cpu_attention
 
     shape = SHAPES[shape_name]
     flush = torch.zeros(flush_bytes // 4)
     copy = (torch.empty(copy_bytes, dtype=torch.uint8), torch.ones(copy_bytes, dtype=torch.uint8))
     result = {"date": datetime.date.today().isoformat(), **cpu_info(), "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "shape_name": shape_name, "shape": asdict(shape),
+              "threads": torch.get_num_threads(), "clock": clock, "shape_name": shape_name, "shape": asdict(shape),
               "isa": cpu_attention.selected_isa(shape.head_dim, isa),
               "supported_isas": cpu_attention.supported_isas(),
               "load_average_before": os.getloadavg(),  # other processes on a shared machine
@@ -155,10 +163,10 @@ def run_cpu(shape_name: str = "smollm2-135m", dtypes=DTYPES, batches=BATCHES, co
         rows = result["decode"][dtype_name] = []
         for context in contexts:
             for batch in batches:
-                rows.append(decode_row(batch, context, shape, dtype, isa, flush, copy, rounds))
+                rows.append(decode_row(batch, context, shape, dtype, isa, flush, copy, rounds, CLOCKS[clock]))
                 log(f"{dtype_name} " + format_decode_table(rows[-1:]).splitlines()[-1])
         if prefill_cases:
-            result["prefill"][dtype_name] = prefill_rows(shape, dtype, isa, flush, rounds, prefill_cases)
+            result["prefill"][dtype_name] = prefill_rows(shape, dtype, isa, flush, rounds, prefill_cases, CLOCKS[clock])
     result["load_average_after"] = os.getloadavg()
     return result
 
@@ -199,7 +207,8 @@ def plot(result: dict, path: Path) -> None:
         ax.axhline(copy / 2, color="gray", linestyle=":", label="half of copy")
         ax.set(xscale="log", xlabel="context (tokens)", ylabel="GB/s", title=f"decode attention, {dtype}")
         ax.legend(fontsize=8)
-    fig.suptitle(f"{result['processor']}, {result['threads']} threads, {result['isa']}, {result['shape_name']}")
+    fig.suptitle(f"{result['processor']}, {result['threads']} threads, {result['clock']} time, {result['isa']}, "
+                 f"{result['shape_name']}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -209,11 +218,15 @@ def main(args) -> int:
     """The ``cpu`` subcommand of kernel_bench.py (its arguments as parsed there)."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        print("kernel_bench cpu: --clock cpu times the calling thread only: add --threads 1", file=sys.stderr)
+        return 2
     result = run_cpu(args.shape, args.dtypes.split(","), [int(b) for b in args.batches.split(",")],
                      [int(c) for c in args.contexts.split(",")], args.isa, args.rounds,
-                     () if args.no_prefill else PREFILL_CASES)
+                     () if args.no_prefill else PREFILL_CASES, clock=args.clock)
     for dtype, rows in result["decode"].items():
-        print(f"\ndecode, {dtype} ({result['isa']}, {result['threads']} threads)\n{format_decode_table(rows)}")
+        title = f"decode, {dtype} ({result['isa']}, {result['threads']} threads, {result['clock']} time)"
+        print(f"\n{title}\n{format_decode_table(rows)}")
     print(f"\nload average before / after: {result['load_average_before']} / {result['load_average_after']}")
     for dtype, rows in result["prefill"].items():
         print(f"\nprefill attention, {dtype}\n{format_prefill_table(rows)}")

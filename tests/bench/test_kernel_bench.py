@@ -88,7 +88,7 @@ def test_cpu_bench_small_run_reports_every_combination():
                             prefill_cases=(("2 prompts", [(20, 20), (17, 17)]),),
                             copy_bytes=2**20, flush_bytes=2**20, log=lambda line: None)
     assert set(result["decode"]) == set(result["prefill"]) == {"bfloat16", "float32"}
-    assert result["isa"] == result["supported_isas"][0] and result["threads"] >= 1
+    assert result["isa"] == result["supported_isas"][0] and result["threads"] >= 1 and result["clock"] == "wall"
     for dtype, rows in result["decode"].items():
         assert [(r["batch"], r["context"]) for r in rows] == [(1, 16), (3, 16), (1, 40), (3, 40)]
         elem_size = 2 if dtype == "bfloat16" else 4
@@ -111,3 +111,21 @@ def test_cpu_subcommand_writes_json_and_plot(tmp_path, capsys):
     assert [(r["batch"], r["context"]) for r in result["decode"]["float32"]] == [(2, 20)]
     assert out.with_suffix(".png").stat().st_size > 0
     assert "decode, float32" in capsys.readouterr().out
+
+
+def test_cpu_clock_times_one_thread_only(tmp_path, capsys):
+    import torch
+
+    out, threads = tmp_path / "cpu.json", torch.get_num_threads()
+    common = ["cpu", "--dtypes", "float32", "--batches", "2", "--contexts", "20", "--rounds", "1", "--no-prefill",
+              "--clock", "cpu", "--out", str(out)]
+    try:
+        assert kb.main(common + ["--threads", "2"]) == 2
+        assert "--clock cpu times the calling thread only: add --threads 1" in capsys.readouterr().err
+        assert not out.exists()
+        assert kb.main(common + ["--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(out.read_text())
+    assert result["clock"] == "cpu" and result["threads"] == 1
+    assert f"decode, float32 ({result['isa']}, 1 threads, cpu time)" in capsys.readouterr().out
