@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 # A prompt: text, token ids, or {"prompt": text, "prompt_token_ids": ids} (vLLM's forms).
 PromptType = str | list[int] | dict
+_COMPILE_POLL_S = 0.02  # how long a step with nothing to run waits for a grammar compile
 
 
 class LLMEngine:
@@ -50,6 +51,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(sched, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._structured_outputs = None  # StructuredOutputManager, made on the first constrained request
+        self._compiling: list[Request] = []  # added requests whose grammar was still compiling
         logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention %s",
                     config.model, self.model_runner.dtype, self.model_runner.device,
                     self.block_manager.num_blocks, self.block_manager.block_size,
@@ -66,8 +69,9 @@ class LLMEngine:
             ValueError: naming the field and limit, for an empty prompt, a token id outside
                 the vocabulary (prompt, ``logit_bias``, ``stop_token_ids``), a prompt plus
                 ``max_tokens`` over ``max_model_len``, more KV blocks than the pool, ``n``
-                over ``max_num_seqs``, text or stop strings without a tokenizer, or a
-                duplicate ``request_id``.
+                over ``max_num_seqs``, text or stop strings without a tokenizer, an invalid
+                ``structured_outputs`` schema, regex or grammar (naming
+                ``structured_outputs.<field>``), or a duplicate ``request_id``.
         """
         params = sampling_params or SamplingParams()
         text, token_ids = self._prompt_ids(prompt)
@@ -77,14 +81,32 @@ class LLMEngine:
         if params.min_tokens > max_tokens:
             raise InvalidRequestError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} "
                                       f"tokens max_model_len ({max_len}) leaves for output", "min_tokens")
+        grammar = self._grammar(params)
         request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
                           sampling_params=params, eos_token_id=self.eos_token_id,
-                          max_tokens=max_tokens)
+                          max_tokens=max_tokens, grammar=grammar)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)
+        if not request.is_ready:
+            self._compiling.append(request)
         return request
+
+    def _grammar(self, params: SamplingParams):
+        """Sequence 0's matcher for ``params.structured_outputs`` (its compile submitted to
+        the worker thread), ``None`` without a constraint."""
+        if params.structured_outputs is None:
+            return None
+        if self._structured_outputs is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"structured_outputs: model {self.config.model!r} has no "
+                                          "tokenizer to build a grammar over", "structured_outputs")
+            from engine.structured_outputs import StructuredOutputManager  # imports xgrammar (~1 s)
+
+            self._structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                               self.eos_token_id)
+        return self._structured_outputs.grammar(params.structured_outputs)
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -185,9 +207,12 @@ class LLMEngine:
             Outputs of the requests that produced a token or finished, in the form their
             ``SamplingParams.output_kind`` asks for.
         """
+        self._check_compiles()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
-            return []
+            if self._compiling:  # only grammars compiling: wait for one rather than spin
+                self._compiling[0].grammar.wait(_COMPILE_POLL_S)
+            return self.output_processor.make_outputs()
         try:
             runner_output = self.model_runner.execute(scheduler_output)
         except Exception as exc:  # noqa: BLE001 - the loop must outlive any one batch
@@ -197,10 +222,32 @@ class LLMEngine:
             self._finish_requests(request_ids, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}")
             return self.output_processor.make_outputs()
         for sequence, token in self.scheduler.update(scheduler_output, runner_output):
+            if sequence.grammar is not None and not sequence.grammar.accept(token.token_id):
+                self._fail_sequence(sequence, f"structured_outputs: the grammar does not allow the "
+                                              f"sampled token {token.token_id}")
             stop = self.output_processor.add_token(sequence, token)
             if stop is not None:
                 self._stop_at_string(sequence, stop)
         return self.output_processor.make_outputs()
+
+    def _check_compiles(self) -> None:
+        """Forget requests whose grammar compile has finished; fail those where it failed."""
+        still = []
+        for request in self._compiling:
+            if request.status.is_finished:
+                continue  # aborted while compiling
+            if not request.is_ready:
+                still.append(request)
+            elif request.grammar.error is not None:
+                self._finish_requests([request.request_id], RequestStatus.FINISHED_ERROR,
+                                      request.grammar.error)
+        self._compiling = still
+
+    def _fail_sequence(self, sequence: Request, error: str) -> None:
+        logger.error("request %s: %s", sequence.request_id, error)
+        if not sequence.status.is_finished:
+            self.scheduler.finish_request(sequence.seq_id, RequestStatus.FINISHED_ERROR)
+        sequence.error = error
 
     def _stop_at_string(self, sequence: Request, stop: str) -> None:
         """End a sequence whose new token completed the stop string ``stop``.

@@ -4,10 +4,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.outputs import SampleLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SamplingRow
+
+if TYPE_CHECKING:
+    from engine.structured_outputs import SequenceGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -44,7 +48,8 @@ class Request:
     A request with ``n > 1`` starts as its sequence 0; when its prompt is done the scheduler
     forks sequences 1..n-1, which share the prompt's KV blocks. ``num_computed_tokens``
     counts the leading tokens of prompt + output whose K/V are in the cache; preemption (by
-    recompute) resets it to 0, keeping the output so far.
+    recompute) resets it to 0, keeping the output so far (and ``grammar``'s position, which
+    follows the output).
     """
 
     request_id: str
@@ -63,13 +68,20 @@ class Request:
     error: str | None = None
     output_logprobs: SampleLogprobs = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    grammar: SequenceGrammar | None = None  # structured outputs: this sequence's matcher
     sampling_row: SamplingRow = field(init=False)
 
     def __post_init__(self) -> None:
         # The sampler's view of this sequence; its lists are this request's own, so it
         # stays current as tokens are appended.
         self.sampling_row = SamplingRow(self.sampling_params, self.prompt_token_ids,
-                                        self.output_token_ids, self.index, self.eos_token_id)
+                                        self.output_token_ids, self.index, self.eos_token_id,
+                                        self.grammar)
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether it can be scheduled: no grammar, or its grammar's compile has finished."""
+        return self.grammar is None or self.grammar.is_ready()
 
     @property
     def seq_id(self) -> str:

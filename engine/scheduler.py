@@ -10,6 +10,8 @@ Each step, in order:
 2. If nothing was preempted, waiting requests are admitted in arrival order while
    ``max_num_seqs``, the token budget ``max_num_batched_tokens`` and the free block count
    allow. A prompt longer than the remaining budget is prefilled in chunks over several steps.
+   A request whose structured-outputs grammar is still compiling (``Request.is_ready``) is
+   passed over, keeping its place, until its compile is done.
 
 Because ``max_num_batched_tokens >= max_num_seqs`` and at most one running request (the last
 admitted) is ever mid-prefill, every running request in the decode phase is scheduled every
@@ -153,8 +155,12 @@ class Scheduler:
 
     def _schedule_waiting(self, scheduler_output: SchedulerOutput, budget: int) -> None:
         num_seqs = len(self.running) + sum(r.num_forks_pending for r in self.running)
+        compiling = []  # requests whose grammar is still compiling keep their place
         while self.waiting and budget > 0:
             request = self.waiting[0]
+            if not request.is_ready:
+                compiling.append(self.waiting.popleft())
+                continue
             num_new = min(request.num_tokens, budget)
             if num_seqs + 1 + request.num_forks_pending > self.config.max_num_seqs:
                 break
@@ -166,6 +172,7 @@ class Scheduler:
             self.running.append(request)
             self._add_scheduled(scheduler_output, request, num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
 
     def _add_scheduled(self, scheduler_output: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
@@ -224,7 +231,9 @@ class Scheduler:
                             eos_token_id=parent.eos_token_id, max_tokens=parent.max_tokens,
                             index=index, arrival_time=parent.arrival_time,
                             num_computed_tokens=parent.num_computed_tokens,
-                            status=RequestStatus.RUNNING)
+                            status=RequestStatus.RUNNING,
+                            # its own matcher, where the parent's is before its first token
+                            grammar=None if parent.grammar is None else parent.grammar.fork())
             self._reserved_seq_ids.discard(child.seq_id)
             self.block_manager.fork(parent.seq_id, child.seq_id)
             self.requests[child.seq_id] = child
