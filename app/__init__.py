@@ -11,14 +11,21 @@ from typing import Any
 import ray
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import BackpressureConfig
 
 from app.config import AppConfig
 from app.engine_server import EngineServer
+from app.errors import RETRY_AFTER_S
 from app.ingress import OpenAIIngress
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Bind the two deployments: the OpenAI ingress and the engine server.
+
+    Overload is refused at the door: each ingress replica lets through at most what the
+    engine replicas hold (``max_num_seqs + max_waiting_requests`` each) and answers any
+    further request at once with 503 and ``Retry-After``; Serve's own bounds agree, and send
+    an engine replica no more than it holds (docs/DEPLOYMENT.md, "Limits").
 
     Args:
         args: ``AppConfig`` fields (from ``serve run`` or a Serve config file's ``args``);
@@ -28,14 +35,17 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         pydantic.ValidationError: naming any unknown or invalid setting.
     """
     config = AppConfig.load(args)
+    backpressure = BackpressureConfig(status_code=503, retry_after_s=float(RETRY_AFTER_S))
     engine = serve.deployment(EngineServer).options(
         name="EngineServer", num_replicas=config.num_engine_replicas,
         ray_actor_options=engine_actor_options(config),
-        max_ongoing_requests=config.max_ongoing_requests,
+        max_ongoing_requests=config.engine_max_ongoing_requests,
+        max_queued_requests=config.max_admitted_requests, backpressure_config=backpressure,
         health_check_period_s=5, health_check_timeout_s=30)
     ingress = OpenAIIngress.options(
         num_replicas=config.num_ingress_replicas, ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=config.max_ongoing_requests * config.num_engine_replicas)
+        max_ongoing_requests=config.ingress_max_ongoing_requests,
+        max_queued_requests=config.ingress_max_ongoing_requests, backpressure_config=backpressure)
     return ingress.bind(engine.bind(config), config)
 
 

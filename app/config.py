@@ -17,6 +17,17 @@ from engine.config import EngineConfig, engine_args
 
 ENV_PREFIX = "MINI_INFER_"
 
+# Default request-body limit: a prompt of max_model_len tokens sent as token ids takes at
+# most 7 bytes a token ("49151, "), as JSON-escaped text rarely over 12 (\uXXXX per CJK
+# character); 64 leaves room for escaped whitespace runs. The other fields (messages' framing,
+# stop, logit_bias) get 1 MiB.
+BODY_BYTES_PER_TOKEN = 64
+BODY_BYTES_OVERHEAD = 1 << 20
+# Ingress concurrency beyond what the engine replicas hold: requests being refused (before
+# their bodies are read: microseconds each), /health, /v1/models. Past it, requests wait in
+# Serve's proxy, which retries every 0.5 s at most.
+INGRESS_HEADROOM = 1024
+
 
 class ServiceSettings(BaseModel):
     """Settings of the service around the engine; ``AppConfig`` adds the engine's own."""
@@ -27,12 +38,20 @@ class ServiceSettings(BaseModel):
                                           "`model`; defaults to `model`.")
     max_waiting_requests: int = Field(512, ge=0, description="Requests an engine replica may "
                                       "queue before new ones get 503 with Retry-After.")
-    num_engine_replicas: int = Field(1, ge=1, description="Engine replicas (each holds a model).")
+    num_engine_replicas: int = Field(1, ge=1, description="Engine replicas (each holds a model); "
+                                     "with autoscaling, its max_replicas (the ingress admits "
+                                     "what that many hold).")
     num_ingress_replicas: int = Field(1, ge=1, description="OpenAI front-end replicas.")
     engine_num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per engine replica "
                                    "on CPU-only nodes.")
-    api_key: str | None = Field(None, description="If set, requests need "
+    api_key: str | None = Field(None, description="If set, every route but /health needs "
                                 "`Authorization: Bearer <api_key>`.")
+    max_request_body_bytes: int | None = Field(
+        None, ge=1, description="Largest request body the ingress reads; a larger one gets 413 "
+        "before it is parsed. Default: 64 bytes per token of max_model_len, plus 1 MiB.")
+    request_body_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds the ingress waits for the next part of a request body "
+        "before it answers 408 (a stalled or truncated upload).")
 
     @model_validator(mode="after")
     def _valid_engine_config(self):
@@ -57,10 +76,33 @@ class ServiceSettings(BaseModel):
         return self.served_model_name or self.model
 
     @property
-    def max_ongoing_requests(self) -> int:
-        """Serve's per-replica concurrency limit for the engine: room for a full batch and the
-        engine's own queue, so the engine (not Serve's default of 5) decides admission."""
-        return self.max_num_seqs + self.max_waiting_requests + 16
+    def engine_max_ongoing_requests(self) -> int:
+        """Serve's ``max_ongoing_requests`` for an engine replica: a full batch and the
+        engine's waiting queue, so that Serve never sends a request the engine would refuse."""
+        return self.max_num_seqs + self.max_waiting_requests
+
+    @property
+    def max_admitted_requests(self) -> int:
+        """Requests an ingress replica lets through to the engine replicas at once: what they
+        hold, running and waiting. One more is refused at once (503), before it queues.
+
+        Also Serve's ``max_queued_requests`` for the engine deployment, as a second bound:
+        Serve checks its own before it counts a request as queued, so a burst can pass it,
+        and a request that passed waits for a free replica without limit."""
+        return self.num_engine_replicas * self.engine_max_ongoing_requests
+
+    @property
+    def ingress_max_ongoing_requests(self) -> int:
+        """Serve's ``max_ongoing_requests`` (and ``max_queued_requests``) for an ingress
+        replica: the admitted requests and ``INGRESS_HEADROOM`` more, so that overload is
+        refused by the ingress in OpenAI's envelope rather than waiting in Serve's proxy."""
+        return self.max_admitted_requests + INGRESS_HEADROOM
+
+    def max_body_bytes(self, max_model_len: int) -> int:
+        """``max_request_body_bytes``, or its default for the engine's ``max_model_len``."""
+        if self.max_request_body_bytes is not None:
+            return self.max_request_body_bytes
+        return BODY_BYTES_PER_TOKEN * max_model_len + BODY_BYTES_OVERHEAD
 
     def engine_config(self) -> EngineConfig:
         """The engine's settings.

@@ -87,11 +87,13 @@ class EngineServer:
         """
         # Requests in flight beyond a full batch are the waiting queue (counted here, not in
         # the engine, so that a burst arriving between two steps is counted too).
+        # Serve's max_ongoing_requests (app.build_app) keeps this from happening behind the
+        # ingress; it still bounds direct callers of the deployment.
         num_waiting = self._num_in_flight - self.config.max_num_seqs
         if num_waiting >= self.config.max_waiting_requests:
             yield rejection(EngineOverloadedError(
                 f"the engine is overloaded: {num_waiting} requests waiting "
-                f"(max_waiting_requests={self.config.max_waiting_requests}); retry later"))
+                f"(max_waiting_requests={self.config.max_waiting_requests})"))
             return
         self._num_in_flight += 1
         try:
@@ -130,7 +132,7 @@ class EngineServer:
                        request_id: str | None) -> AsyncIterator[RequestOutput]:
         if "messages" in prompt:
             options = dict(prompt)
-            prompt = self.llm.chat_prompt(options.pop("messages"), **options)
+            prompt = await self.llm.chat_prompt(options.pop("messages"), **options)
         async with contextlib.aclosing(self.llm.generate(prompt, params, request_id)) as outputs:
             async for output in outputs:
                 yield output
@@ -162,6 +164,11 @@ class EngineServer:
 
     def stats(self) -> dict:
         return {**self.llm.stats(), "replica_id": self.replica_id}
+
+    def limits(self) -> dict:
+        """What the ingress sizes its own limits from: ``max_model_len`` (resolved from the
+        model where the setting is unset)."""
+        return {"max_model_len": self.llm.engine.config.scheduler.max_model_len}
 
     def metric_families(self) -> Families:
         """This replica's metrics as plain data, for the ingress's ``GET /metrics``."""

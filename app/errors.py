@@ -26,7 +26,14 @@ logger = logging.getLogger("ray.serve")
 RETRY_AFTER_S = "1"
 CLIENT_DISCONNECTED = "mini_infer.client_disconnected"  # ASGI scope key: the client left mid-body
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 503: "service_unavailable_error"}
+          405: "invalid_request_error", 408: "invalid_request_error",
+          413: "invalid_request_error", 503: "service_unavailable_error"}
+_HTTP_CODES = {408: "request_timeout", 413: "request_too_large"}
+# An error body stays small whatever the input: messages quote bad values through
+# engine.errors.excerpt, and these caps hold for anything else (a pydantic location built
+# from a client's dict key, an exception's text).
+MAX_MESSAGE_CHARS = 1024
+MAX_PARAM_CHARS = 128
 
 
 class OpenAIError(Exception):
@@ -42,7 +49,9 @@ class OpenAIError(Exception):
         self.type = error_type or _TYPES.get(status_code, "internal_server_error")
 
     def body(self) -> dict:
-        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        info = ErrorInfo(message=_cut(self.message, MAX_MESSAGE_CHARS), type=self.type,
+                         param=None if self.param is None else _cut(self.param, MAX_PARAM_CHARS),
+                         code=self.code)
         return ErrorResponse(error=info).model_dump()
 
     def response(self) -> JSONResponse:
@@ -63,9 +72,14 @@ def from_exception(exc: BaseException) -> OpenAIError:
         return OpenAIError(400, str(cause), cause.param)
     if isinstance(cause, ValueError):
         return OpenAIError(400, str(cause))
-    if isinstance(cause, (EngineOverloadedError, BackPressureError, DeploymentUnavailableError)):
-        return OpenAIError(503, f"the service is overloaded or restarting: {cause}; retry later",
-                           code="overloaded")
+    if isinstance(cause, EngineOverloadedError):
+        return OpenAIError(503, f"{cause}; retry later", code="overloaded")
+    if isinstance(cause, BackPressureError):
+        return OpenAIError(503, "the service is overloaded: every engine replica is busy and the "
+                           "queue in front of them is full; retry later", code="overloaded")
+    if isinstance(cause, DeploymentUnavailableError):
+        return OpenAIError(503, "no engine replica is running (starting or restarting); "
+                           "retry later", code="engine_unavailable")
     if isinstance(cause, EngineDeadError):
         return OpenAIError(503, f"the engine replica is not running: {cause}; retry (Serve "
                            "replaces it)", code="engine_dead")
@@ -75,10 +89,23 @@ def from_exception(exc: BaseException) -> OpenAIError:
     return OpenAIError(500, f"internal error: {type(cause).__name__}: {cause}", code="internal_error")
 
 
+def from_http_exception(exc: StarletteHTTPException) -> OpenAIError:
+    """Starlette's and FastAPI's HTTP errors (404, 405, the guard's 408 and 413)."""
+    return OpenAIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code))
+
+
 def client_closed(when: str) -> OpenAIError:
     """The outcome of a client that disconnected ``when`` (nginx's 499; nobody reads it)."""
     return OpenAIError(499, f"the client disconnected {when}; the request was aborted",
                        code="client_closed_request", error_type="client_closed_request")
+
+
+def _cut(text: str, max_chars: int) -> str:
+    """``text`` cut to exactly ``max_chars`` characters, saying how long it was."""
+    if len(text) <= max_chars:
+        return text
+    suffix = f"... ({len(text)} characters)"
+    return text[:max_chars - len(suffix)] + suffix
 
 
 def _is_cancellation(exc: BaseException) -> bool:
@@ -102,7 +129,7 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
         return OpenAIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
     location = [str(part) for part in first.get("loc", ())[1:]  # drop "body" / "query"
                 if not _is_union_tag(part)]
-    param = ".".join(location) or None
+    param = _cut(".".join(location), MAX_PARAM_CHARS) or None  # a dict key can be any length
     message = first.get("msg", "invalid request")
     if first.get("type") == "missing":
         message = f"{param} is required" if param else "the request body (a JSON object) is required"
@@ -157,7 +184,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if request.scope.get(CLIENT_DISCONNECTED):  # set by app.middleware
             return error_response(request, client_closed("while sending the request body"))
-        return error_response(request, OpenAIError(exc.status_code, str(exc.detail)))
+        return error_response(request, from_http_exception(exc))
 
     @app.exception_handler(OpenAIError)
     async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:

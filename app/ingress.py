@@ -1,8 +1,11 @@
 """The OpenAI-compatible front end: validation, chat messages, SSE framing, errors.
 
-Requests are validated here (pydantic, then ``SamplingParams``) and by the engine replica
-(prompt length, token ids); the ingress waits for the engine's first output before sending
-any header, so a bad streaming request gets the same status and body as a non-streaming one.
+Requests pass the HTTP rules of ``app.middleware`` first (the API key, admission of
+generation requests, body size and timeout, a JSON ``Content-Type``: all before the body is
+read), are validated here (pydantic, the known request fields of ``app.request_fields``, then
+``SamplingParams``) and by the engine replica (prompt length, token ids); the ingress waits
+for the engine's first output before sending any header, so a bad streaming request gets the
+same status and body as a non-streaming one.
 """
 
 import asyncio
@@ -10,11 +13,12 @@ import uuid
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from app.admission import Admission, CachedCheck, ClosingStreamingResponse
 from app.config import AppConfig
 from app.errors import OpenAIError, client_closed, from_exception, install_error_handlers, log_error, sse_error
 from app.metrics import HttpMetrics, render
@@ -22,13 +26,46 @@ from app.middleware import install_middleware
 from app.openai_format import DONE, ChatFormatter, ResponseFormatter
 from app.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, now
 from app.request_fields import Endpoint, unsupported_field
+from engine.errors import excerpt
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 REPLICA_HEADER = "x-mini-infer-replica"
+# /health and /ready share one probe's outcome for this long, so that callers (and anyone
+# without the API key, for /health) cannot turn them into load on the engine.
+HEALTH_CACHE_S = 0.5
+READY_CACHE_S = 1.0
+# An engine replica that cannot answer "is your step loop alive" in this time is not.
+HEALTH_TIMEOUT_S = 5.0
 
 fastapi_app = FastAPI(title="mini-infer", description="OpenAI-compatible LLM inference.")
 install_error_handlers(fastapi_app)
-install_middleware(fastapi_app)
+
+
+def _cancel(stream: DeploymentResponseGenerator) -> None:
+    """Stop a handle call. Serve's ``cancel()`` re-raises a failed assignment (a
+    ``BackPressureError``) that the caller has already answered: ignore it."""
+    try:
+        stream.cancel()
+    except Exception:  # noqa: BLE001 - the call never reached a replica
+        pass
+
+
+class _EngineCall:
+    """A request's stream from the engine deployment. ``close()`` stops the engine's work
+    unless the stream ran to its end (at most once, however the response ended).
+
+    Args:
+        stream: from ``generate.remote``.
+    """
+
+    def __init__(self, stream: DeploymentResponseGenerator) -> None:
+        self.stream = stream
+        self.finished = False
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True  # once
+            _cancel(self.stream)
 
 
 @serve.deployment
@@ -47,7 +84,13 @@ class OpenAIIngress:
         self.engine = engine
         self.engine_stream = engine.options(stream=True)  # made once, used by every request
         self.http_metrics = fastapi_app.state.http_metrics = HttpMetrics()
-        fastapi_app.state.api_key = config.api_key
+        self._max_body_bytes = config.max_request_body_bytes
+        self._health = CachedCheck(self._check_health, HEALTH_CACHE_S)
+        self._ready = CachedCheck(self._check_ready, READY_CACHE_S)
+        install_middleware(fastapi_app, api_key=config.api_key,
+                           admission=Admission(config.max_admitted_requests),
+                           max_body_bytes=self.max_body_bytes,
+                           body_timeout_s=config.request_body_timeout_s)
 
     # ---- OpenAI endpoints ----------------------------------------------------------------
 
@@ -76,38 +119,31 @@ class OpenAIIngress:
 
     @fastapi_app.get("/health")
     async def health(self):
-        """Liveness: an engine replica's step loop is alive."""
-        try:
-            alive = await self.engine.is_alive.remote()
-        except Exception as exc:  # noqa: BLE001 - unreachable engine: not alive
-            alive, detail = False, repr(exc)
-        else:
-            detail = "engine step loop stopped"
-        if not alive:
-            raise OpenAIError(503, f"unhealthy: {detail}", code="unhealthy")
-        return {"status": "ok"}
+        """Liveness: some engine replica's step loop is alive. 503 at once while no engine
+        replica is running (a restart), so that load balancers stop sending traffic."""
+        return await self._health()
 
     @fastapi_app.get("/ready")
     async def ready(self):
-        """Readiness: a real one-token generation succeeds."""
-        params = SamplingParams(temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.DELTA)
-        try:
-            async for record in self.engine_stream.generate.remote({"prompt_token_ids": [0]}, params):
-                if "status_code" in record:  # a Rejection: the engine refused it (overloaded)
-                    raise OpenAIError(**record)
-        except Exception as exc:  # noqa: BLE001 - any failure means not ready
-            raise OpenAIError(503, f"not ready: {from_exception(exc).message}", code="not_ready") from exc
-        return {"status": "ready"}
+        """Readiness: a real one-token generation succeeds (its outcome is reused for
+        ``READY_CACHE_S``)."""
+        return await self._ready()
 
     @fastapi_app.get("/stats")
     async def stats(self):
         """Every engine replica's counters (blocks, running, waiting, preemptions)."""
-        return {"replicas": await self.engine.broadcast("stats").results_async()}
+        try:
+            return {"replicas": await self.engine.broadcast("stats").results_async()}
+        except Exception as exc:  # noqa: BLE001 - Serve's own handler would answer in plain text
+            raise from_exception(exc) from exc
 
     @fastapi_app.get("/metrics")
     async def metrics(self):
         """Prometheus text of every engine and ingress replica's series (``app.metrics``)."""
-        engines = await self.engine.broadcast("metric_families").results_async()
+        try:
+            engines = await self.engine.broadcast("metric_families").results_async()
+        except Exception as exc:  # noqa: BLE001 - Serve's own handler would answer in plain text
+            raise from_exception(exc) from exc
         return Response(render([*engines, *await self._ingress_families()]), media_type=CONTENT_TYPE_LATEST)
 
     async def metric_families(self):
@@ -125,11 +161,52 @@ class OpenAIIngress:
 
     # ---- helpers -------------------------------------------------------------------------
 
+    async def max_body_bytes(self) -> int:
+        """The request-body limit (``AppConfig.max_body_bytes``), asking an engine replica
+        for ``max_model_len`` the first time when the setting leaves it to the model.
+
+        Raises:
+            OpenAIError: 503 while no engine replica is running.
+        """
+        if self._max_body_bytes is None:
+            max_model_len = self.config.max_model_len
+            if max_model_len is None:
+                try:
+                    limits = await self.engine.broadcast("limits").results_async(timeout_s=HEALTH_TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001 - no engine replica to ask
+                    raise from_exception(exc) from exc
+                max_model_len = limits[0]["max_model_len"]
+            self._max_body_bytes = self.config.max_body_bytes(max_model_len)
+        return self._max_body_bytes
+
+    async def _check_health(self) -> dict:
+        # broadcast() reaches every running engine replica past Serve's queue (a full
+        # replica still answers) and fails at once when there is none.
+        try:
+            alive = await self.engine.broadcast("is_alive").results_async(
+                timeout_s=HEALTH_TIMEOUT_S, return_exceptions=True)
+        except Exception as exc:  # noqa: BLE001 - no engine replica, or none answered in time
+            raise OpenAIError(503, f"unhealthy: {from_exception(exc).message}", code="unhealthy") from exc
+        if True not in alive:
+            raise OpenAIError(503, "unhealthy: no engine replica's step loop is alive", code="unhealthy")
+        return {"status": "ok"}
+
+    async def _check_ready(self) -> dict:
+        params = SamplingParams(temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.DELTA)
+        try:
+            await self._health()  # at once while no engine replica runs (else the call waits)
+            async for record in self.engine_stream.generate.remote({"prompt_token_ids": [0]}, params):
+                if "status_code" in record:  # a Rejection: the engine refused it (overloaded)
+                    raise OpenAIError(**record)
+        except Exception as exc:  # noqa: BLE001 - any failure means not ready
+            raise OpenAIError(503, f"not ready: {from_exception(exc).message}", code="not_ready") from exc
+        return {"status": "ready"}
+
     def _check(self, body: SamplingRequest, endpoint: Endpoint) -> None:
         """404 for another model; 400 for a field the API defines that is not honoured here
         (``app.request_fields``)."""
         if body.model != self.config.model_name:
-            raise OpenAIError(404, f"model {body.model!r} does not exist; this server serves "
+            raise OpenAIError(404, f"model {excerpt(body.model)} does not exist; this server serves "
                               f"{self.config.model_name!r}", param="model", code="model_not_found")
         field = unsupported_field(endpoint, body.model_extra or {})
         if field is not None:
@@ -140,64 +217,71 @@ class OpenAIIngress:
     async def _respond(self, request: Request, body: SamplingRequest, formatter: ResponseFormatter,
                        prompt_param: str = "prompt", echo: bool = False):
         prompt, params = body.engine_prompt(), body.sampling_params()
-        stream = self.engine_stream.generate.remote(prompt, params, uuid.uuid4().hex, echo)
+        call = _EngineCall(self.engine_stream.generate.remote(prompt, params, uuid.uuid4().hex, echo))
         try:
-            first = await stream.__anext__()  # accepted, or the engine's 4xx, before any header
+            first = await call.stream.__anext__()  # accepted, or the engine's 4xx, before any header
         except asyncio.CancelledError:
-            self._client_gone(request, stream, "while the request was being admitted")
+            call.close()
+            self._client_gone(request, "while the request was being admitted")
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
-            stream.cancel()
+            call.close()
             raise from_exception(exc) from exc
-        if "status_code" in first:  # a Rejection
+        if "status_code" in first:  # a Rejection: the engine's only record
+            call.close()
             error = OpenAIError(**first)
             if error.param == "prompt":  # the engine says "prompt"; a chat request sent messages
                 error.param = prompt_param
             raise error
         headers = {REPLICA_HEADER: first["replica_id"]}
         if body.stream:
-            return StreamingResponse(self._sse(request, first, stream, formatter), headers=headers,
-                                     media_type="text/event-stream")
+            return ClosingStreamingResponse(self._sse(request, first, call, formatter), call.close,
+                                            headers=headers, media_type="text/event-stream")
         try:
             formatter.add(first)
-            async for output in stream:
+            async for output in call.stream:
                 formatter.add(output)
+            call.finished = True
         except asyncio.CancelledError:
-            self._client_gone(request, stream, "before the response was complete")
+            self._client_gone(request, "before the response was complete")
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
             raise from_exception(exc) from exc
+        finally:  # also when the client went away: stop the engine's work
+            call.close()
         return JSONResponse(formatter.response(), headers=headers)
 
-    async def _sse(self, request: Request, first: dict, stream: DeploymentResponseGenerator,
+    async def _sse(self, request: Request, first: dict, call: _EngineCall,
                    formatter: ResponseFormatter) -> AsyncIterator[str]:
-        num_events, finished = 0, False
+        num_events = 0
         try:
             for chunk in formatter.chunks(first, first=True):
                 num_events += 1
                 yield chunk
-            async for output in stream:
+            async for output in call.stream:
                 for chunk in formatter.chunks(output, first=False):
                     num_events += 1
                     yield chunk
-            finished = True
+            call.finished = True
             for chunk in formatter.final_chunks():
                 yield chunk
         except (asyncio.CancelledError, GeneratorExit):
-            if not finished:
-                self._client_gone(request, stream, f"after {num_events} events")
+            if not call.finished:
+                self._client_gone(request, f"after {num_events} events")
             raise
         except Exception as exc:  # noqa: BLE001 - the headers are gone: an SSE error event
-            stream.cancel()
+            call.close()
             error = from_exception(exc)
             self.http_metrics.record_error(error.status_code)
             log_error(request, error, exc)
             yield sse_error(error)
             yield DONE
+        finally:  # disconnected or failed: abort the request in the engine (its blocks are
+            # free within a step)
+            call.close()
 
-    def _client_gone(self, request: Request, stream: DeploymentResponseGenerator, when: str) -> None:
-        """A client that disconnected: abort its request in the engine (its blocks are free
-        within a step) and log one line."""
-        stream.cancel()
+    def _client_gone(self, request: Request, when: str) -> None:
+        """A client that disconnected: one log line and a 499 in the metrics (the caller
+        aborts its request in the engine)."""
         self.http_metrics.record_error(499)
         log_error(request, client_closed(when))

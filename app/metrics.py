@@ -21,7 +21,7 @@ prometheus_client.disable_created_metrics()  # no `_created` series: vLLM's endp
 # Seconds; Prometheus buckets chosen to cover CPU (slow) and GPU (fast) serving alike.
 _LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0]
 FINISH_REASONS = ("stop", "length", "abort")
-ERROR_STATUSES = (400, 401, 404, 405, 499, 500, 503)  # every status app.errors returns
+ERROR_STATUSES = (400, 401, 404, 405, 408, 413, 499, 500, 503)  # every status app.errors returns
 
 _RAY = {"counter": ray_metrics.Counter, "gauge": ray_metrics.Gauge, "histogram": ray_metrics.Histogram}
 _PROMETHEUS = {"counter": prometheus_client.Counter, "gauge": prometheus_client.Gauge,

@@ -1,21 +1,23 @@
 """HTTP rules that hold for every route, as ASGI middleware (so that routes added later
 follow them too): a client's disconnect delivered as ASGI says, HEAD answered like GET, the
-API key, a JSON ``Content-Type`` on bodies.
+checks of ``app.http_guard.RequestGuard`` (API key, admission, body size and timeout), a
+JSON ``Content-Type`` on bodies.
 
-``install_middleware`` adds them in the order a request meets them: the disconnect and HEAD
-rewriting first, then the API key (before any body is read, so before any 400), then the
-content type.
+``install_middleware`` adds them in the order a request meets them (see there for why).
 """
 from __future__ import annotations
 
-import hmac
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
 from ray.exceptions import TaskCancelledError
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.admission import Admission
 from app.errors import CLIENT_DISCONNECTED, OpenAIError, error_response
+from app.http_guard import RequestGuard, has_body
+from engine.errors import excerpt
 
 JSON = "application/json"
 
@@ -84,20 +86,6 @@ class _Rule:
         raise NotImplementedError
 
 
-class RequireApiKey(_Rule):
-    """401 for ``/v1/*`` without ``Authorization: Bearer <app.state.api_key>`` when a key
-    is configured."""
-
-    def check(self, request: Request) -> OpenAIError | None:
-        api_key = getattr(request.app.state, "api_key", None)
-        if not api_key or not request.url.path.startswith("/v1/"):
-            return None
-        if hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {api_key}"):
-            return None
-        return OpenAIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-
-
 class RequireJsonBody(_Rule):
     """400 for a request with a body whose ``Content-Type`` is not JSON (``application/json``
     or ``application/<x>+json``, any parameters), or missing: every body this service takes
@@ -105,29 +93,35 @@ class RequireJsonBody(_Rule):
     the JSON instead of the header."""
 
     def check(self, request: Request) -> OpenAIError | None:
-        if not _has_body(request):
+        if not has_body(request.headers):
             return None
         content_type = request.headers.get("content-type")
         media_type = (content_type or "").split(";")[0].strip().lower()
         if media_type == JSON or (media_type.startswith("application/") and media_type.endswith("+json")):
             return None
-        got = "no Content-Type header" if content_type is None else f"Content-Type {content_type!r}"
+        got = "no Content-Type header" if content_type is None else f"Content-Type {excerpt(content_type)}"
         return OpenAIError(400, f"the request body was sent with {got}; send it as JSON with "
                            f"'Content-Type: {JSON}'", code="unsupported_content_type")
 
 
-def _has_body(request: Request) -> bool:
-    if "chunked" in request.headers.get("transfer-encoding", "").lower():
-        return True
-    try:
-        return int(request.headers.get("content-length", "0")) > 0
-    except ValueError:
-        return True
+def install_middleware(app: FastAPI, api_key: str | None, admission: Admission,
+                       max_body_bytes: Callable[[], Awaitable[int]], body_timeout_s: float) -> None:
+    """Add the rules above to ``app``; the arguments are ``RequestGuard``'s.
 
+    A request meets them in this order (Starlette runs the last added first):
 
-def install_middleware(app: FastAPI) -> None:
-    """Add the rules above to ``app`` (Starlette runs the last added first)."""
+    1. ``DisconnectAsMessage``: every later ``receive`` (the guard's body limit, FastAPI's
+       body read) sees a client's leaving as ``http.disconnect``, not as Serve's exception.
+    2. ``HeadAsGet``: the rules after it see a HEAD as the GET it stands for, and whatever
+       they answer loses its body here: ``HEAD /health`` is as open as ``GET /health``, and a
+       HEAD without the API key gets the 401's status and headers, no body.
+    3. ``RequestGuard``: the API key first (a client without it learns nothing else), then
+       admission and the body's size and timeout, all before any byte of the body is read.
+    4. ``RequireJsonBody``: a header check, after the key (an unauthenticated client gets
+       401, not a 400 about its content type).
+    """
     app.add_middleware(RequireJsonBody)
-    app.add_middleware(RequireApiKey)
+    app.add_middleware(RequestGuard, api_key=api_key, admission=admission,
+                       max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     app.add_middleware(HeadAsGet)
     app.add_middleware(DisconnectAsMessage)

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, excerpt
 from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
@@ -95,7 +95,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     try:
         return {int(k): v for k, v in (bias or {}).items()}
     except ValueError:
-        raise ValueError(f"logit_bias keys must be token ids (integers); got {list(bias)}") from None
+        raise InvalidRequestError(f"logit_bias keys must be token ids (integers); got "
+                                  f"{excerpt(list(bias))}", "logit_bias") from None
 
 
 class CompletionRequest(SamplingRequest):
@@ -121,12 +122,13 @@ class CompletionRequest(SamplingRequest):
         """The prompt, unwrapped from a one-element list.
 
         Raises:
-            ValueError: for a batch of several prompts.
+            InvalidRequestError: naming ``prompt``, for a batch of several prompts.
         """
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise ValueError(f"prompt: one prompt per request is supported; got {len(prompt)}")
+                raise InvalidRequestError(f"prompt: one prompt per request is supported; got "
+                                          f"{len(prompt)}", "prompt")
             prompt = prompt[0]
         return prompt
 
@@ -174,6 +176,14 @@ class ChatCompletionRequest(SamplingRequest):
                 "continue_final_message": self.continue_final_message}
 
     def num_logprobs(self) -> int | None:
+        """``top_logprobs`` as the engine's ``logprobs``, ``None`` when not asked for.
+
+        Raises:
+            InvalidRequestError: naming ``top_logprobs``, out of range or without ``logprobs``.
+        """
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]; got "
+                                      f"{excerpt(self.top_logprobs)}", "top_logprobs")
         if not self.logprobs:
             if self.top_logprobs:
                 raise InvalidRequestError("top_logprobs needs logprobs to be true", "top_logprobs")

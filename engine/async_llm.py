@@ -3,6 +3,8 @@
 The loop thread owns the ``LLMEngine``. Callers talk to it only through a command queue
 (add, abort) and receive outputs on a per-request ``asyncio.Queue``, so the event loop is
 never blocked by a forward pass and the engine is never touched by two threads at once.
+Prompts are tokenized and chat-templated on a small pool of worker threads before they reach
+the loop, so that neither the loop nor the caller's event loop waits on a long input.
 """
 from __future__ import annotations
 
@@ -34,6 +36,10 @@ class AsyncLLM:
     def __init__(self, engine: LLMEngine | None = None,
                  config: EngineConfig | None = None) -> None:
         self.engine = engine or LLMEngine(config or EngineConfig())
+        # Two workers: one long input (bounded by LLMEngine.max_prompt_chars) leaves the other
+        # to the next request. The tokenizer releases the GIL while it encodes.
+        self._tokenizers = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="engine-tokenizer")
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -58,6 +64,8 @@ class AsyncLLM:
             EngineDeadError: the step loop has stopped.
         """
         self.check_health()
+        # Tokenized (and checked) here, so that the step loop only checks the ids' length.
+        prompt = await self._on_worker(self.engine.process_prompt, prompt)
         request_id = request_id or uuid.uuid4().hex
         params = sampling_params or SamplingParams(output_kind=RequestOutputKind.DELTA)
         stream: asyncio.Queue = asyncio.Queue()
@@ -89,9 +97,19 @@ class AsyncLLM:
         if self._dead is not None or not self._thread.is_alive():
             raise EngineDeadError(f"the engine step loop has stopped: {self._dead!r}")
 
-    def chat_prompt(self, conversation: list[dict], **kwargs) -> dict:
-        """``LLMEngine.chat_prompt`` (the tokenizer is read-only: safe beside the loop)."""
-        return self.engine.chat_prompt(conversation, **kwargs)
+    async def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
+                          continue_final_message: bool = False) -> dict:
+        """``LLMEngine.chat_prompt`` on a worker thread (the tokenizer is read-only: safe
+        beside the loop): ``{"prompt": text, "prompt_token_ids": ids}`` for ``generate``.
+
+        Raises:
+            ValueError: as ``LLMEngine.chat_prompt``.
+        """
+        return await self._on_worker(self.engine.chat_prompt, conversation,
+                                     add_generation_prompt, continue_final_message)
+
+    async def _on_worker(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizers, fn, *args)
 
     def stats(self) -> dict:
         """The engine's counters (read without locking; each value is a plain int or float)."""
@@ -102,6 +120,7 @@ class AsyncLLM:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout)
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)

@@ -1,6 +1,29 @@
 """Errors a caller can act on. Each is a ``ValueError`` naming the request field at fault."""
 from __future__ import annotations
 
+import reprlib
+
+_EXCERPT = reprlib.Repr()
+_EXCERPT.maxlevel = 2
+_EXCERPT.maxstring = _EXCERPT.maxother = _EXCERPT.maxlong = 40
+_EXCERPT.maxlist = _EXCERPT.maxtuple = _EXCERPT.maxdict = _EXCERPT.maxset = 4
+
+
+def excerpt(value: object) -> str:
+    """A short ``repr`` of a bad value for an error message: at most 4 items of a container
+    and 40 characters of a string or number (``reprlib``), with the full length when cut,
+    so that a message never echoes a large input back (``['a', 'b', 'c', 'd', ...] (10000
+    items)``)."""
+    try:
+        text = _EXCERPT.repr(value)
+    except ValueError:  # an int over Python's 4300-digit str() limit
+        text = f"<{type(value).__name__} too large to print>"
+    if isinstance(value, (list, tuple, dict, set)) and len(value) > 4:
+        text += f" ({len(value)} items)"
+    elif isinstance(value, str) and len(value) > 40:
+        text += f" ({len(value)} characters)"
+    return text
+
 
 class InvalidRequestError(ValueError):
     """A request that can never be served as sent.

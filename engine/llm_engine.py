@@ -5,7 +5,7 @@ import logging
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import ContextLengthExceededError, InvalidRequestError, excerpt
 from engine.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
@@ -19,6 +19,10 @@ logger = logging.getLogger(__name__)
 # A prompt: text, token ids, or {"prompt": text, "prompt_token_ids": ids} (vLLM's forms).
 PromptType = str | list[int] | dict
 _COMPILE_POLL_S = 0.02  # how long a step with nothing to run waits for a grammar compile
+
+# Unicode normalization can merge characters before tokenization: NFC composes at most 4
+# code points into one (a canonical decomposition is at most 4 long, Unicode's UAX #15).
+_NORMALIZER_SHRINK = 4
 
 
 class LLMEngine:
@@ -53,6 +57,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._structured_outputs = None  # StructuredOutputManager, made on the first constrained request
         self._compiling: list[Request] = []  # added requests whose grammar was still compiling
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, sched.max_model_len)
         logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention %s",
                     config.model, self.model_runner.dtype, self.model_runner.device,
                     self.block_manager.num_blocks, self.block_manager.block_size,
@@ -63,7 +68,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType,
                     sampling_params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> Request:
-        """Queue a request.
+        """Queue a request. A text prompt is tokenized here; ``AsyncLLM`` passes prompts
+        already through ``process_prompt`` so that its step loop never tokenizes.
 
         Raises:
             ValueError: naming the field and limit, for an empty prompt, a token id outside
@@ -74,7 +80,8 @@ class LLMEngine:
                 ``structured_outputs.<field>``), or a duplicate ``request_id``.
         """
         params = sampling_params or SamplingParams()
-        text, token_ids = self._prompt_ids(prompt)
+        processed = self.process_prompt(prompt)
+        text, token_ids = processed["prompt"], processed["prompt_token_ids"]
         self._check_params(params)
         max_len = self.config.scheduler.max_model_len
         max_tokens = params.max_tokens or max(1, max_len - len(token_ids))
@@ -108,17 +115,47 @@ class LLMEngine:
                                                                self.eos_token_id)
         return self._structured_outputs.grammar(params.structured_outputs)
 
-    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def process_prompt(self, prompt: PromptType) -> dict:
+        """Tokenize and check a prompt: ``{"prompt": text or None, "prompt_token_ids": ids}``.
+
+        Only reads the tokenizer and the config, so it may run on any thread (``AsyncLLM``
+        runs it on a worker thread). Inputs that cannot fit are refused before the work that
+        would prove it: text longer than ``max_prompt_chars`` before tokenizing, and token
+        ids beyond ``max_model_len`` before checking each one.
+
+        Raises:
+            ContextLengthExceededError: the prompt cannot fit in ``max_model_len``.
+            InvalidRequestError: naming ``prompt``, for text without a tokenizer, text that
+                is not valid Unicode, or a token id outside the vocabulary.
+        """
         if isinstance(prompt, dict):
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
             if token_ids is None:
-                return self._prompt_ids(text)
+                return self.process_prompt(text)
         elif isinstance(prompt, str):
+            self._check_num_chars(len(prompt), "prompt")
             text, token_ids = prompt, self.tokenize(prompt)
         else:
             text, token_ids = None, list(prompt)
+        self._check_num_tokens(len(token_ids))
         self._check_token_ids("prompt_token_ids", token_ids)
-        return text, token_ids
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+    def _check_num_chars(self, num_chars: int, param: str) -> None:
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise ContextLengthExceededError(
+                f"{param}: {num_chars} characters cannot fit in max_model_len "
+                f"({self.config.scheduler.max_model_len}) tokens: this tokenizer's tokens cover "
+                f"at most {self.max_prompt_chars} characters in all", param)
+
+    def _check_num_tokens(self, num_tokens: int) -> None:
+        # Cheaper than, and implied by, Scheduler.check_request: a prompt needs room for one
+        # output token.
+        max_len = self.config.scheduler.max_model_len
+        if num_tokens >= max_len:
+            raise ContextLengthExceededError(
+                f"prompt ({num_tokens} tokens) + at least 1 output token exceeds max_model_len "
+                f"({max_len})", "prompt")
 
     def _check_params(self, params: SamplingParams) -> None:
         self._check_token_ids("logit_bias", list(params.logit_bias))
@@ -131,14 +168,15 @@ class LLMEngine:
         vocab_size = self.model_config.vocab_size
         bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
         if bad is not None:
-            raise InvalidRequestError(f"{field_name}: token id {bad!r} is outside the vocabulary "
-                                      f"[0, {vocab_size})",
+            raise InvalidRequestError(f"{field_name}: token id {excerpt(bad)} is outside the "
+                                      f"vocabulary [0, {vocab_size})",
                                       "prompt" if field_name == "prompt_token_ids" else field_name)
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False) -> dict:
         """A conversation through the tokenizer's chat template:
-        ``{"prompt": text, "prompt_token_ids": ids}``.
+        ``{"prompt": text, "prompt_token_ids": ids}``. Thread-safe as ``process_prompt``; a
+        conversation that cannot fit is refused before templating.
 
         Args:
             conversation: ``[{"role": ..., "content": ...}, ...]``.
@@ -148,6 +186,9 @@ class LLMEngine:
                 ``add_generation_prompt``).
 
         Raises:
+            ContextLengthExceededError: naming ``messages``: more messages than
+                ``max_model_len`` (each takes at least one token: its role marker), or more
+                characters of content than ``max_prompt_chars``.
             InvalidRequestError: if the model has no chat template, if both flags are set,
                 or if the template cannot leave the last message open.
         """
@@ -157,13 +198,21 @@ class LLMEngine:
             raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both "
                                       "be true: set add_generation_prompt to false to continue the "
                                       "last message", "continue_final_message")
+        max_len = self.config.scheduler.max_model_len
+        if len(conversation) >= max_len:
+            raise ContextLengthExceededError(
+                f"messages: {len(conversation)} messages cannot fit in max_model_len ({max_len}) "
+                "tokens (each message takes at least one)", "messages")
+        self._check_num_chars(sum(len(m["content"]) for m in conversation
+                                  if isinstance(m.get("content"), str)), "messages")
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tokenize=False)
         except ValueError as exc:  # transformers: the last message cannot be left open
             raise InvalidRequestError(f"continue_final_message: {exc}", "continue_final_message") from None
-        return {"prompt": text, "prompt_token_ids": self.tokenize(text, add_special_tokens=False)}
+        return self.process_prompt({"prompt": text,
+                                    "prompt_token_ids": self.tokenize(text, add_special_tokens=False)})
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``.
@@ -295,3 +344,22 @@ def _eos_token_id(loaded: LoadedModel) -> int | None:
         return loaded.tokenizer.eos_token_id
     eos = getattr(loaded.config, "eos_token_id", None)
     return eos[0] if isinstance(eos, list) else eos
+
+
+def max_prompt_chars(tokenizer, max_model_len: int) -> int | None:
+    """The most characters of text that can tokenize into ``max_model_len`` tokens or
+    fewer, ``None`` without a tokenizer.
+
+    A token covers at most as many characters as its longest vocabulary string has: a
+    byte-level BPE vocabulary (Llama 3, Qwen2, SmolLM2) spells one byte per character and a
+    character takes at least one byte; a SentencePiece one spells ``▁`` for a space and
+    ``<0xNN>`` (6 characters) for a single byte. A normalizer may merge up to
+    ``_NORMALIZER_SHRINK`` characters into one first, so the bound is multiplied by that
+    where the tokenizer has one. SmolLM2: 81 characters (a newline and 80 spaces) x 8192.
+    """
+    if tokenizer is None:
+        return None
+    longest = max(map(len, tokenizer.get_vocab()))
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    shrink = _NORMALIZER_SHRINK if backend is None or backend.normalizer is not None else 1
+    return max_model_len * longest * shrink

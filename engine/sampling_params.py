@@ -6,7 +6,7 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, excerpt
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
@@ -23,7 +23,7 @@ class RequestOutputKind(enum.Enum):
 
 def _check(ok: bool, name: str, allowed: str, value) -> None:
     if not ok:
-        raise InvalidRequestError(f"{name} must be {allowed}; got {value!r}", param=name)
+        raise InvalidRequestError(f"{name} must be {allowed}; got {excerpt(value)}", param=name)
 
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")

@@ -22,15 +22,18 @@ class ServeProcess:
         command: the command line, run in the repository root.
         env: extra environment variables.
         timeout: seconds to wait for ``/ready`` before failing.
+        num_engine_replicas: engine replicas ``/stats`` must list before the app counts as up.
+        api_key: the app's API key, sent to ``/ready`` and ``/stats``.
     """
 
     def __init__(self, command: list[str], env: dict | None = None, timeout: float = 300,
-                 num_engine_replicas: int = 1) -> None:
+                 num_engine_replicas: int = 1, api_key: str | None = None) -> None:
         self.command = command
         self.num_engine_replicas = num_engine_replicas
         self.env = {**os.environ, **(env or {})}
         self.timeout = timeout
         self.url = BASE_URL
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.process: subprocess.Popen | None = None
         self.log_path = ROOT / ".pytest_cache" / f"serve-{int(time.time())}.log"
 
@@ -45,7 +48,7 @@ class ServeProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.command} exited with {self.process.returncode}: "
                                    f"{self.log_tail()}")
-            if _get_ok(self.url + "/ready") and self.num_replicas_up() >= self.num_engine_replicas:
+            if _get_ok(self.url + "/ready", self.headers) and self.num_replicas_up() >= self.num_engine_replicas:
                 return self
             time.sleep(1.0)
         self.__exit__(None, None, None)
@@ -70,9 +73,37 @@ class ServeProcess:
 
     def num_replicas_up(self) -> int:
         try:
-            return len(requests.get(self.url + "/stats", timeout=30).json()["replicas"])
+            return len(self.stats())
         except (requests.RequestException, ValueError, KeyError):
             return 0
+
+    def stats(self) -> list[dict]:
+        """Every engine replica's ``/stats`` entry."""
+        return requests.get(self.url + "/stats", headers=self.headers, timeout=30).json()["replicas"]
+
+    def engine_replicas(self) -> list[psutil.Process]:
+        """This app's engine replica processes, looked for in its own process tree only (other
+        Serve apps on the machine have processes of the same name)."""
+        found = []
+        for proc in _family(self.process.pid):
+            try:
+                if "ServeReplica:default:EngineServer" in " ".join(proc.cmdline()):
+                    found.append(proc)
+            except psutil.Error:
+                pass
+        return found
+
+    def session_dir(self) -> Path:
+        """This app's Ray session directory (``/tmp/ray/session_latest`` may be another
+        app's on a shared machine), from its GCS server's command line."""
+        for proc in _family(self.process.pid):
+            try:
+                for arg in proc.cmdline():
+                    if arg.startswith("--session-dir="):
+                        return Path(arg.removeprefix("--session-dir="))
+            except psutil.Error:
+                pass
+        raise RuntimeError("no Ray session directory found among the app's processes")
 
     def log_tail(self, num_chars: int = 3000) -> str:
         try:
@@ -81,9 +112,9 @@ class ServeProcess:
             return ""
 
 
-def _get_ok(url: str) -> bool:
+def _get_ok(url: str, headers: dict) -> bool:
     try:
-        return requests.get(url, timeout=30).status_code == 200
+        return requests.get(url, headers=headers, timeout=30).status_code == 200
     except requests.RequestException:
         return False
 

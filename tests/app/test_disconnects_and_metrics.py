@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import aiohttp
-import psutil
 import requests
 
 from tests.app.conftest import MODEL
@@ -67,19 +66,9 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(api):
     assert idle, stats
 
 
-def _ray_session_dir(api) -> Path:
-    """This service's Ray session (not /tmp/ray's latest: other Ray instances may share the
-    machine), from its GCS server's command line."""
-    for process in psutil.Process(api.process.pid).children(recursive=True):
-        for arg in process.cmdline():
-            if arg.startswith("--session-dir="):
-                return Path(arg.split("=", 1)[1])
-    raise AssertionError("no Ray session among the service's processes")
-
-
 def _ray_metrics_text(api) -> str:
     """Prometheus text from every target Ray lists for its metrics (its service discovery file)."""
-    discovery = _ray_session_dir(api) / "prom_metrics_service_discovery.json"
+    discovery = api.session_dir() / "prom_metrics_service_discovery.json"
     targets = json.loads(discovery.read_text())[0]["targets"]
     return "\n".join(requests.get(f"http://{t}/metrics", timeout=10).text for t in targets)
 
@@ -126,7 +115,7 @@ def test_metrics_on_the_http_port_list_every_readme_series_from_the_start(api):
     assert re.search(r'^mini_infer_num_preemptions_total\{[^}]*\} 0\.0$', text, re.M)
     for reason in ("stop", "length", "abort"):
         assert re.search(rf'^mini_infer_request_success_total\{{[^}}]*finished_reason="{reason}"', text, re.M)
-    for status in ("400", "404", "499", "500", "503"):
+    for status in ("400", "401", "404", "408", "413", "499", "500", "503"):
         assert re.search(rf'^mini_infer_http_errors_total\{{status_code="{status}"\}}', text, re.M)
     assert re.search(r'^mini_infer_time_to_first_token_seconds_bucket\{le="\+Inf",', text, re.M)
 

@@ -5,7 +5,6 @@ import re
 import time
 
 import aiohttp
-import psutil
 import pytest
 import requests
 
@@ -20,18 +19,6 @@ KEY = "test-key-123"
 def two_replicas():
     with ServeProcess([SERVE, "run", "ray_configs/serve_multi_replica.yaml"], num_engine_replicas=2) as app:
         yield app
-
-
-def _engine_replica_processes(app: ServeProcess) -> list[psutil.Process]:
-    """This service's engine replicas (other Ray instances may share the machine)."""
-    found = []
-    for proc in psutil.Process(app.process.pid).children(recursive=True):
-        try:
-            if "ServeReplica:default:EngineServer" in " ".join(proc.cmdline()):
-                found.append(proc)
-        except psutil.Error:  # gone meanwhile
-            pass
-    return found
 
 
 async def _complete(session, url, i, timeout=90):
@@ -72,7 +59,7 @@ def test_requests_reach_both_replicas(two_replicas):
 
 
 def test_killing_a_replica_mid_load_hangs_no_client_and_the_app_recovers(two_replicas):
-    victims = _engine_replica_processes(two_replicas)
+    victims = two_replicas.engine_replicas()
     assert len(victims) == 2
 
     async def client(session, i, stop_at):
@@ -105,4 +92,4 @@ def test_killing_a_replica_mid_load_hangs_no_client_and_the_app_recovers(two_rep
     while two_replicas.num_replicas_up() < 2 and time.monotonic() < deadline:
         time.sleep(1)
     assert two_replicas.num_replicas_up() == 2
-    assert victims[0].pid not in {p.pid for p in _engine_replica_processes(two_replicas)}
+    assert victims[0].pid not in {p.pid for p in two_replicas.engine_replicas()}

@@ -1,0 +1,128 @@
+"""The checks every HTTP request passes before FastAPI reads its body: the API key, admission
+of a generation request (``app.admission.Admission``), the request-body size limit and the body
+read timeout.
+
+A pure ASGI middleware (not ``BaseHTTPMiddleware``), so that a refused request is answered
+without its body being read or parsed, and a streaming response is passed through untouched.
+A body over the limit is refused from its ``Content-Length`` before any of it is read, or,
+when it is sent in chunks, as soon as the bytes read pass the limit. Serve's HTTP proxy still
+reads what the client sends while the request is open; only a reverse proxy in front can
+refuse a body before it is read at all (docs/DEPLOYMENT.md).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Awaitable, Callable
+
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.admission import Admission
+from app.errors import OpenAIError, error_response, from_http_exception
+
+# Routes a load balancer probes without credentials (GET and HEAD).
+OPEN_PATHS = frozenset({"/health"})
+# Routes whose POST requests hold a place in the engine replicas until they are answered.
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class RequestGuard:
+    """ASGI middleware: 401 without the API key, 503 for a generation request while the
+    engine replicas are full, 413 for a body over the limit, 408 for a body that stops
+    arriving; each in OpenAI's error envelope, and each before the body is read.
+
+    Args:
+        app: the wrapped ASGI app.
+        api_key: when set, every request but ``GET``/``HEAD`` on ``OPEN_PATHS`` needs
+            ``Authorization: Bearer <api_key>`` (compared in constant time).
+        admission: a ``POST`` on ``GENERATION_PATHS`` holds a place in it until its response
+            has ended (streamed to the end, failed, or the client gone).
+        max_body_bytes: returns the body limit in bytes; awaited only for requests that
+            carry a body (the ingress learns the engine's ``max_model_len`` lazily).
+        body_timeout_s: seconds to wait for each next part of a body.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None, admission: Admission,
+                 max_body_bytes: Callable[[], Awaitable[int]], body_timeout_s: float) -> None:
+        self.app = app
+        self.expected_authorization = f"Bearer {api_key}" if api_key else None
+        self.admission = admission
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        release = None
+        try:
+            try:
+                self._authorize(scope, headers)
+                if scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
+                    release = self.admission.admit()
+                if has_body(headers):
+                    receive = await self._limit_body(headers, receive)
+            except (OpenAIError, HTTPException) as error:
+                if isinstance(error, HTTPException):
+                    error = from_http_exception(error)
+                await error_response(Request(scope), error)(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+        finally:
+            if release is not None:
+                release()
+
+    def _authorize(self, scope: Scope, headers: Headers) -> None:
+        if self.expected_authorization is None:
+            return
+        if scope["path"] in OPEN_PATHS and scope["method"] in ("GET", "HEAD"):
+            return
+        if not hmac.compare_digest(headers.get("authorization", "").encode(),
+                                   self.expected_authorization.encode()):
+            raise OpenAIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                              code="invalid_api_key")
+
+    async def _limit_body(self, headers: Headers, receive: Receive) -> Receive:
+        """Refuse a declared length over the limit now; count and time what arrives."""
+        limit = await self.max_body_bytes()
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        timeout = self.body_timeout_s
+        num_bytes, complete = 0, False
+
+        async def limited_receive() -> Message:
+            nonlocal num_bytes, complete
+            if complete:  # after the body: a wait for http.disconnect, with no timeout
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout)
+            except TimeoutError:
+                raise HTTPException(408, f"the request body stopped arriving: nothing for "
+                                         f"{timeout:g} s (request_body_timeout_s)") from None
+            if message["type"] == "http.request":
+                num_bytes += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
+                if num_bytes > limit:
+                    raise _too_large(limit)
+            else:
+                complete = True
+            return message
+
+        return limited_receive
+
+
+def has_body(headers: Headers) -> bool:
+    """Whether a request carries a body: chunked, or a ``Content-Length`` that is not 0."""
+    return "transfer-encoding" in headers or headers.get("content-length", "0") != "0"
+
+
+def _too_large(limit: int) -> HTTPException:
+    # Raised inside FastAPI's body read, a starlette HTTPException reaches the app's handler,
+    # which gives it the envelope (app.errors.from_http_exception).
+    return HTTPException(413, f"the request body is larger than {limit} bytes "
+                              "(max_request_body_bytes)")
