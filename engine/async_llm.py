@@ -98,7 +98,7 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine step loop has stopped: {self._dead!r}")
 
     async def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
-                          continue_final_message: bool = False) -> dict:
+                          continue_final_message: bool = False, tools: list[dict] | None = None) -> dict:
         """``LLMEngine.chat_prompt`` on a worker thread (the tokenizer is read-only: safe
         beside the loop): ``{"prompt": text, "prompt_token_ids": ids}`` for ``generate``.
 
@@ -106,7 +106,7 @@ class AsyncLLM:
             ValueError: as ``LLMEngine.chat_prompt``.
         """
         return await self._on_worker(self.engine.chat_prompt, conversation,
-                                     add_generation_prompt, continue_final_message)
+                                     add_generation_prompt, continue_final_message, tools)
 
     async def _on_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizers, fn, *args)

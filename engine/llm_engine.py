@@ -13,6 +13,7 @@ from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.tool_calls import conversation_for_template, conversation_with_tools, template_takes_tools
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class LLMEngine:
                                       "prompt" if field_name == "prompt_token_ids" else field_name)
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> dict:
+                    continue_final_message: bool = False, tools: list[dict] | None = None) -> dict:
         """A conversation through the tokenizer's chat template:
         ``{"prompt": text, "prompt_token_ids": ids}``. Thread-safe as ``process_prompt``; a
         conversation that cannot fit is refused before templating.
@@ -184,6 +185,10 @@ class LLMEngine:
             continue_final_message: leave the last message open (no end-of-turn token), so
                 that the model continues it (vLLM's semantics: it excludes
                 ``add_generation_prompt``).
+            tools: function definitions (``name``, ``description``, ``parameters``) the
+                model may call: rendered by the template if it takes ``tools``, else as
+                Hermes-style instructions in the system message (``engine.tool_calls``).
+                Messages may carry ``tool_calls`` (assistant) and be tool results.
 
         Raises:
             ContextLengthExceededError: naming ``messages``: more messages than
@@ -205,10 +210,14 @@ class LLMEngine:
                 "tokens (each message takes at least one)", "messages")
         self._check_num_chars(sum(len(m["content"]) for m in conversation
                                   if isinstance(m.get("content"), str)), "messages")
+        if template_takes_tools(self.tokenizer.chat_template):
+            conversation, options = conversation_for_template(conversation), {"tools": tools}
+        else:
+            conversation, options = conversation_with_tools(conversation, tools), {}
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=False)
+                continue_final_message=continue_final_message, tokenize=False, **options)
         except ValueError as exc:  # transformers: the last message cannot be left open
             raise InvalidRequestError(f"continue_final_message: {exc}", "continue_final_message") from None
         return self.process_prompt({"prompt": text,
