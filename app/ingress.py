@@ -107,7 +107,8 @@ class OpenAIIngress:
     @fastapi_app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check(body, "chat")
-        formatter = ChatFormatter(self.config.model_name, body.n, body.num_logprobs(), body.include_usage)
+        formatter = ChatFormatter(self.config.model_name, body.n, body.num_logprobs(), body.include_usage,
+                                  body.tool_mode())
         return await self._respond(request, body, formatter, prompt_param="messages")
 
     @fastapi_app.get("/v1/models")
@@ -232,6 +233,7 @@ class OpenAIIngress:
             error = OpenAIError(**first)
             if error.param == "prompt":  # the engine says "prompt"; a chat request sent messages
                 error.param = prompt_param
+            error.message, error.param = body.client_param(error.message, error.param)
             raise error
         headers = {REPLICA_HEADER: first["replica_id"]}
         if body.stream:

@@ -1,0 +1,96 @@
+"""The step-time cost of structured outputs: a workload with every request JSON-constrained
+against the same workload unconstrained, in one process, interleaved.
+
+    python bench/structured_outputs.py --workload ../shared/workloads/w2_short.json [--rounds 2]
+
+Each round runs ``unconstrained`` then ``json`` (``LLM.generate`` on every request at once,
+greedy, ``ignore_eos``, each request's ``max_tokens``). In ``json`` every request carries
+``SCHEMA``, whose ``minItems`` keeps every sampled token of every request inside the
+grammar (the schema cannot end within 128 tokens), so every row of every step is masked:
+the worst case of the batched mask fill plus the bitmask kernel. The grammar is compiled
+before the clock starts (a warm-up request), as a service's LRU cache would hold it.
+Reported: output tok/s per system and round, the json / unconstrained ratio of the best
+rounds, and the extra milliseconds per engine step.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from common import load_workload, machine_info, write_result
+
+from engine import LLM, SamplingParams
+from engine.sampling_params import StructuredOutputsParams
+
+SCHEMA = {"type": "array", "minItems": 64,
+          "items": {"type": "object",
+                    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                                   "name": {"type": "string", "maxLength": 16},
+                                   "kind": {"enum": ["book", "film", "song"]},
+                                   "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}}},
+                    "required": ["id", "name", "kind", "tags"], "additionalProperties": False}}
+
+
+def run(llm: LLM, requests: list[dict], constrained: bool) -> dict:
+    structured_outputs = StructuredOutputsParams(json=SCHEMA) if constrained else None
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True,
+                             structured_outputs=structured_outputs) for r in requests]
+    engine = llm.llm_engine
+    step, num_steps = engine.step, 0
+
+    def counted_step():
+        nonlocal num_steps
+        num_steps += 1
+        return step()
+
+    engine.step = counted_step
+    try:
+        start = time.perf_counter()
+        outputs = llm.generate([r["prompt_token_ids"] for r in requests], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+    finally:
+        del engine.step
+    num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"system": "json" if constrained else "unconstrained", "seconds": seconds, "num_steps": num_steps,
+            "num_output_tokens": num_output, "output_tok_per_s": num_output / seconds,
+            "ms_per_step": 1000 * seconds / num_steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", type=Path, required=True)
+    parser.add_argument("--num-requests", type=int, default=None, help="the first N requests (default: all)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", type=Path, default=None, help="result JSON (default: results/...)")
+    args = parser.parse_args()
+    workload = load_workload(args.workload)
+    requests = workload["requests"][:args.num_requests]
+    llm = LLM(dtype=args.dtype, device=args.device)
+    # Warm up both paths; the json run compiles SCHEMA here, off the clock.
+    warm = StructuredOutputsParams(json=SCHEMA)
+    llm.generate([[1, 2, 3]] * 2, [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, structured_outputs=warm)],
+                 use_tqdm=False)
+    runs = []
+    for round_index in range(args.rounds):
+        for constrained in (False, True):
+            result = {"round": round_index, **run(llm, requests, constrained)}
+            runs.append(result)
+            print(f"round {round_index} {result['system']:>13}: {result['output_tok_per_s']:7.1f} output tok/s, "
+                  f"{result['ms_per_step']:6.1f} ms/step over {result['num_steps']} steps", flush=True)
+    best = {name: max((r for r in runs if r["system"] == name), key=lambda r: r["output_tok_per_s"])
+            for name in ("unconstrained", "json")}
+    ratio = best["json"]["output_tok_per_s"] / best["unconstrained"]["output_tok_per_s"]
+    extra_ms = best["json"]["ms_per_step"] - best["unconstrained"]["ms_per_step"]
+    print(f"json / unconstrained output tok/s: {ratio:.3f}x; +{extra_ms:.1f} ms per step")
+    result = {"workload": workload["name"], "num_requests": len(requests), "dtype": args.dtype,
+              "device": args.device, "schema": SCHEMA, "runs": runs, "ratio": ratio,
+              "extra_ms_per_step": extra_ms, "machine": machine_info()}
+    path = write_result(f"structured-{workload['name']}-{args.dtype}-{args.device}", result, args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
