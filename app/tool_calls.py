@@ -69,16 +69,17 @@ def _call(name: str, arguments: str, index: int | None = None) -> dict:
 
 def final_message(mode: ToolMode, text: str) -> dict:
     """The ``message`` of a whole reply: ``tool_calls`` where it holds calls (``content``
-    then ``None``, or the text around Hermes blocks), else the text as ``content``."""
+    then ``None``, or the text around Hermes blocks), else the text as ``content``. A forced
+    call (``named``, ``required``) is never content: cut by ``max_tokens``, its calls are
+    those begun, the last one's arguments cut too, as a stream delivers them."""
     calls: list[tuple[str, str]] = []
     content: str | None = text
     if mode.kind == "named":
         calls, content = [(mode.name, text)], None
-    elif mode.kind == "required":
+    elif mode.kind == "required":  # cut short by max_tokens, the last call's arguments are too
         scanner = _CallArrayScanner()
         scanner.feed(text)
-        if scanner.complete:  # cut short by max_tokens: the text, as it is
-            calls, content = [(c.name, c.arguments) for c in scanner.calls], None
+        calls, content = [(c.name, c.arguments) for c in scanner.calls], None
     else:
         content, parsed = parse_tool_calls(text)
         calls = [(c["name"], c["arguments"]) for c in parsed]

@@ -10,7 +10,9 @@ grammar (the schema cannot end within 128 tokens), so every row of every step is
 the worst case of the batched mask fill plus the bitmask kernel. The grammar is compiled
 before the clock starts (a warm-up request), as a service's LRU cache would hold it.
 Reported: output tok/s per system and round, the json / unconstrained ratio of the best
-rounds, and the extra milliseconds per engine step.
+rounds, the extra milliseconds per engine step, and the host time per step spent filling
+the bitmasks (``ModelRunner._fill_grammar_bitmask``) and applying them
+(``engine.sampler.apply_grammar_bitmask``), timed around those two calls.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from common import load_workload, machine_info, write_result
 
+import engine.sampler as sampler_module
 from engine import LLM, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
 
@@ -36,25 +39,49 @@ def run(llm: LLM, requests: list[dict], constrained: bool) -> dict:
     structured_outputs = StructuredOutputsParams(json=SCHEMA) if constrained else None
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True,
                              structured_outputs=structured_outputs) for r in requests]
-    engine = llm.llm_engine
-    step, num_steps = engine.step, 0
-
-    def counted_step():
-        nonlocal num_steps
-        num_steps += 1
-        return step()
-
-    engine.step = counted_step
+    engine, runner = llm.llm_engine, llm.llm_engine.model_runner
+    clocks = {"step": _Clock(engine, "step"), "mask_fill": _Clock(runner, "_fill_grammar_bitmask"),
+              "mask_apply": _Clock(sampler_module, "apply_grammar_bitmask")}
     try:
         start = time.perf_counter()
         outputs = llm.generate([r["prompt_token_ids"] for r in requests], params, use_tqdm=False)
         seconds = time.perf_counter() - start
     finally:
-        del engine.step
+        for clock in clocks.values():
+            clock.restore()
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+    num_steps = clocks["step"].calls
     return {"system": "json" if constrained else "unconstrained", "seconds": seconds, "num_steps": num_steps,
             "num_output_tokens": num_output, "output_tok_per_s": num_output / seconds,
-            "ms_per_step": 1000 * seconds / num_steps}
+            "ms_per_step": 1000 * seconds / num_steps,
+            # host time filling the bitmasks (xgrammar, C++ threads) and applying them, per step
+            "mask_fill_ms_per_step": 1000 * clocks["mask_fill"].seconds / num_steps,
+            "mask_apply_ms_per_step": 1000 * clocks["mask_apply"].seconds / num_steps}
+
+
+class _Clock:
+    """Counts calls of ``owner.name`` and the seconds spent in them, until ``restore``."""
+
+    def __init__(self, owner, name: str) -> None:
+        self.owner, self.name, self.calls, self.seconds = owner, name, 0, 0.0
+        self.original = getattr(owner, name)
+        self.had_own = name in vars(owner)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return self.original(*args, **kwargs)
+            finally:
+                self.calls += 1
+                self.seconds += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        if self.had_own:
+            setattr(self.owner, self.name, self.original)
+        else:
+            delattr(self.owner, self.name)
 
 
 def main() -> None:
@@ -79,7 +106,9 @@ def main() -> None:
             result = {"round": round_index, **run(llm, requests, constrained)}
             runs.append(result)
             print(f"round {round_index} {result['system']:>13}: {result['output_tok_per_s']:7.1f} output tok/s, "
-                  f"{result['ms_per_step']:6.1f} ms/step over {result['num_steps']} steps", flush=True)
+                  f"{result['ms_per_step']:6.1f} ms/step over {result['num_steps']} steps, masks "
+                  f"{result['mask_fill_ms_per_step']:.2f} ms fill + {result['mask_apply_ms_per_step']:.2f} ms "
+                  "apply per step", flush=True)
     best = {name: max((r for r in runs if r["system"] == name), key=lambda r: r["output_tok_per_s"])
             for name in ("unconstrained", "json")}
     ratio = best["json"]["output_tok_per_s"] / best["unconstrained"]["output_tok_per_s"]

@@ -107,11 +107,10 @@ def test_tool_choice_required_and_named(client, stream):
     for seed in range(3):  # sampled, several calls allowed
         message, finish_reason = _chat(client, stream, tools=TOOLS, tool_choice="required", temperature=1.0,
                                        seed=seed, max_tokens=300)
-        if finish_reason == "length":  # more calls than max_tokens holds: the text, unparsed
-            assert message["content"].startswith("[{") and not message["tool_calls"]
-            continue
-        assert finish_reason == "tool_calls" and len(message["tool_calls"]) >= 1
-        for call in message["tool_calls"]:
+        assert finish_reason in ("tool_calls", "length") and message["content"] is None
+        assert len(message["tool_calls"]) >= 1
+        # Cut by max_tokens (more calls than it holds), the last call's arguments are cut too.
+        for call in message["tool_calls"][:-1] if finish_reason == "length" else message["tool_calls"]:
             jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
 
 
@@ -168,8 +167,10 @@ def test_required_calls_are_cut_from_the_stream_as_they_arrive():
             [("get_time", '{"timezone": "A\\"}"}'), ("get_weather", "{}")]
     assert [c["function"]["arguments"] for c in final_message(ToolMode("required"), text)["tool_calls"]] == \
         ['{"timezone": "A\\"}"}', "{}"]
-    cut = final_message(ToolMode("required"), text[:30])  # cut by max_tokens: text, no calls
-    assert cut == {"role": "assistant", "content": text[:30]}
+    cut = final_message(ToolMode("required"), text[:text.index("{}}]") + 1])  # cut by max_tokens: as streamed
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in cut["tool_calls"]] == \
+        [("get_time", '{"timezone": "A\\"}"}'), ("get_weather", "{")]
+    assert cut["content"] is None
 
 
 BAD = [
