@@ -2,6 +2,7 @@
 against the same workload unconstrained, in one process, interleaved.
 
     python bench/structured_outputs.py --workload ../shared/workloads/w2_short.json [--rounds 2]
+    python bench/structured_outputs.py --workload ../shared/workloads/w2_short.json --masks-only 1 64 256
 
 Each round runs ``unconstrained`` then ``json`` (``LLM.generate`` on every request at once,
 greedy, ``ignore_eos``, each request's ``max_tokens``). In ``json`` every request carries
@@ -84,6 +85,50 @@ class _Clock:
             delattr(self.owner, self.name)
 
 
+def masks_only(batch_sizes: list[int], num_steps: int = 32) -> list[dict]:
+    """The constrained part of a step alone, without the model: for B sequences of SCHEMA,
+    fill the B bitmasks (one batched call), apply them to random ``[B, vocab]`` fp32 logits,
+    take each row's argmax and advance each matcher by it. Needs only the tokenizer."""
+    import torch
+
+    from engine.loader import load_model
+    from engine.sampler import apply_grammar_bitmask
+    from engine.scheduler_output import SamplingRow
+    from engine.structured_outputs import GrammarBitmask, StructuredOutputManager
+
+    loaded = load_model("smollm2-135m-instruct", load_weights=False)
+    vocab_size = loaded.config.vocab_size
+    manager = StructuredOutputManager(loaded.tokenizer, vocab_size, loaded.tokenizer.eos_token_id)
+    bitmask = GrammarBitmask(vocab_size, torch.device("cpu"))
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    results = []
+    for batch_size in batch_sizes:
+        grammars = [manager.grammar(params.structured_outputs) for _ in range(batch_size)]
+        for grammar in grammars:
+            grammar.wait(600)
+            assert grammar.is_ready() and grammar.error is None
+        rows = [SamplingRow(params, [], [], 0, None, g) for g in grammars]
+        generator = torch.Generator().manual_seed(0)
+        fill = apply = accept = 0.0
+        for _ in range(num_steps):
+            logits = torch.randn(batch_size, vocab_size, generator=generator)
+            t0 = time.perf_counter()
+            step_bitmask = bitmask.fill(rows)
+            t1 = time.perf_counter()
+            apply_grammar_bitmask(logits, step_bitmask)
+            tokens = logits.argmax(dim=-1).tolist()
+            t2 = time.perf_counter()
+            assert all(g.accept(t) for g, t in zip(grammars, tokens, strict=True))
+            t3 = time.perf_counter()
+            fill, apply, accept = fill + t1 - t0, apply + t2 - t1, accept + t3 - t2
+        result = {"batch_size": batch_size, "fill_ms": 1000 * fill / num_steps,
+                  "apply_argmax_ms": 1000 * apply / num_steps, "accept_ms": 1000 * accept / num_steps}
+        results.append(result)
+        print(f"B={batch_size:4d}: fill {result['fill_ms']:.2f} ms, apply+argmax {result['apply_argmax_ms']:.2f} ms, "
+              f"accept {result['accept_ms']:.2f} ms per step", flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", type=Path, required=True)
@@ -92,7 +137,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=None, help="result JSON (default: results/...)")
+    parser.add_argument("--masks-only", type=int, nargs="+", default=None, metavar="B",
+                        help="only time the constrained part of a step for these batch sizes (no model)")
     args = parser.parse_args()
+    if args.masks_only:
+        result = {"masks_only": masks_only(args.masks_only), "schema": SCHEMA, "machine": machine_info()}
+        print(f"wrote {write_result('structured-masks-cpu', result, args.out)}")
+        return
     workload = load_workload(args.workload)
     requests = workload["requests"][:args.num_requests]
     llm = LLM(dtype=args.dtype, device=args.device)
