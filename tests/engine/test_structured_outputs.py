@@ -15,8 +15,6 @@ from engine import LLM, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
 from tests.engine.conftest import assert_idle
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
 # A nested object, an enum, an integer range and an array with minItems (the list);
 # strings and arrays bounded so that a sample fits in MAX_TOKENS.
 PERSON_SCHEMA = {
