@@ -222,6 +222,7 @@ def output_to_dict(output: RequestOutput, replica_id: str,
     return EngineOutput(
         replica_id=replica_id,
         num_prompt_tokens=len(output.prompt_token_ids),
+        num_cached_tokens=output.num_cached_tokens or 0,
         finished=output.finished,
         error=output.error,
         outputs=[CompletionDelta(

@@ -57,6 +57,8 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = Field(None, description="Token ids that end generation.")
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string in the text.")
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+    cache_salt: str | None = Field(None, description="Prefix caching: only requests with the same "
+                                   "salt share cached KV blocks (vLLM's field); a non-empty string.")
 
     def engine_prompt(self) -> dict:
         """What ``EngineServer.generate`` takes as its prompt."""
@@ -84,7 +86,8 @@ class SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            logit_bias=_logit_bias(self.logit_bias), output_kind=RequestOutputKind.DELTA)
+            logit_bias=_logit_bias(self.logit_bias), output_kind=RequestOutputKind.DELTA,
+            cache_salt=self.cache_salt)
 
     @property
     def include_usage(self) -> bool:
@@ -191,8 +194,13 @@ class ChatCompletionRequest(SamplingRequest):
         return self.top_logprobs or 0
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens whose KV came from the prefix cache.")
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = Field(description="Tokens in the prompt.")
+    prompt_tokens_details: PromptTokensDetails = Field(description="Of the prompt tokens, the cached ones.")
     completion_tokens: int = Field(description="Tokens generated, all choices.")
     total_tokens: int = Field(description="Their sum.")
 

@@ -1,7 +1,8 @@
 """Command line: ``python -m engine generate --prompt "..."`` or ``--workload FILE.json``.
 
 A workload file is the format of ``shared/workloads/*.json``: ``{"requests": [{"id",
-"prompt_token_ids", "max_tokens"}, ...]}``, generated greedily with ``ignore_eos``.
+"prompt_token_ids", "max_tokens"}, ...]}``, generated greedily with ``ignore_eos``; other
+fields of a request (w3_shared_prefix's ``prefix_id``) are ignored.
 """
 from __future__ import annotations
 
@@ -79,13 +80,17 @@ def run_workload(llm: LLM, path: Path) -> dict:
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    stats = llm.llm_engine.stats()
     return {"workload": path.name, "requests": len(outputs), "output_tokens": output_tokens,
             "prompt_tokens": sum(len(p) for p in prompts), "seconds": round(seconds, 3),
             "output_tokens_per_s": round(output_tokens / seconds, 2),
             "dtype": str(llm.llm_engine.model_runner.dtype).removeprefix("torch."),
             "device": str(llm.llm_engine.model_runner.device),
             "attention_backend": llm.llm_engine.model_runner.backend,
-            "num_preemptions": llm.llm_engine.stats()["num_preemptions"]}
+            "num_preemptions": stats["num_preemptions"],
+            "enable_prefix_caching": llm.llm_engine.config.cache.enable_prefix_caching,
+            "num_cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
+            "prefix_cache_hit_rate": round(stats["prefix_cache_hit_rate"], 4)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = run_workload(llm, args.workload)
     print(f"requests: {summary['requests']}  output tokens: {summary['output_tokens']}  "
           f"seconds: {summary['seconds']:.2f}  output tokens/s: {summary['output_tokens_per_s']:.1f}  "
-          f"({summary['dtype']}, {summary['device']}, attention {summary['attention_backend']})")
+          f"({summary['dtype']}, {summary['device']}, attention {summary['attention_backend']}, "
+          f"prefix cache hits {summary['num_cached_tokens']} tokens)")
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(summary, indent=2) + "\n")

@@ -45,6 +45,10 @@ class Request:
     forks sequences 1..n-1, which share the prompt's KV blocks. ``num_computed_tokens``
     counts the leading tokens of prompt + output whose K/V are in the cache; preemption (by
     recompute) resets it to 0, keeping the output so far.
+
+    With prefix caching, ``block_hashes`` holds the hashes of its full blocks (prompt and
+    output, extended by the scheduler as tokens come), and ``num_cached_tokens`` the prompt
+    tokens found in the cache when it was first scheduled (``None`` before that).
     """
 
     request_id: str
@@ -57,6 +61,8 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
     num_forks_pending: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
