@@ -12,6 +12,7 @@ from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.snapshot import SnapshotChannel
 
 
 class LLM:
@@ -35,6 +36,9 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self._counter = itertools.count()
+        # the dashboard's view (``python -m engine generate --dashboard-port``): snapshots
+        # taken between steps while ``generate`` runs, at once otherwise
+        self.snapshots = SnapshotChannel(self.llm_engine)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -100,8 +104,10 @@ class LLM:
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+        with (tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm) as bar,
+              self.snapshots.driving()):
             while engine.has_unfinished_requests():
+                self.snapshots.serve()
                 for output in engine.step():
                     if output.error is not None:
                         for request_id in request_ids:
