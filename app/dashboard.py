@@ -139,12 +139,15 @@ def _handler(stats: Callable[[bool], dict]) -> type[BaseHTTPRequestHandler]:
                 self._send(404, "application/json", json.dumps(body).encode())
 
         def _send(self, status: int, content_type: str, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Cache-Control", "no-store")
+                self.end_headers()
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):  # the browser left mid-answer
+                pass
 
         def log_message(self, format: str, *args) -> None:  # noqa: A002 - http.server's name
             logger.debug("dashboard: " + format, *args)

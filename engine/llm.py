@@ -45,7 +45,8 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (``LLMEngine.reset_prefix_cache``)."""
-        return self.llm_engine.reset_prefix_cache()
+        with self.snapshots.driving():
+            return self.llm_engine.reset_prefix_cache()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -72,8 +73,9 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
                              f"{len(prompts)} prompts")
-        request_ids = self._add_requests(prompts, sampling_params)
-        return self._run(request_ids, use_tqdm)
+        with self.snapshots.driving():  # from the first add: snapshots are taken between steps
+            request_ids = self._add_requests(prompts, sampling_params)
+            return self._run(request_ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -104,8 +106,7 @@ class LLM:
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
-        with (tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm) as bar,
-              self.snapshots.driving()):
+        with tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while engine.has_unfinished_requests():
                 self.snapshots.serve()
                 for output in engine.step():
