@@ -13,7 +13,6 @@ browser's own CPU is the viewer's machine's, not the server's.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import aiohttp
 from common import load_workload, machine_info, percentiles, write_result
-from serving import bench_http
+from serving import bench_http, server_parser
 
 
 class Watcher:
@@ -77,15 +76,10 @@ async def one_run(args, requests: list[dict], watched: bool) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", type=Path, required=True)
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--num-requests", type=int, default=32)
+    parser = server_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf: all at once")
     parser.add_argument("--repeats", type=int, default=3, help="pairs of runs (one unwatched, one watched)")
     parser.add_argument("--poll-interval-s", type=float, default=1.0, help="the page's period")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="8 requests, short prompts and outputs (CI)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
