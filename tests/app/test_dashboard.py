@@ -6,7 +6,6 @@ long request runs and return to 0 after it ends, hover and click details. A scre
 .pytest_cache/dashboard/ (git-ignored)."""
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 import uuid
@@ -16,31 +15,12 @@ import requests
 
 from app.dashboard import page
 from tests.app.conftest import MODEL
+from tests.browser import COUNT_CELLS_JS, chromium, wait
 from tests.serve_process import ROOT
 
 SCREENSHOTS = ROOT / ".pytest_cache" / "dashboard"
 BLOCK_SIZE = 16  # the service's default block_size
 
-# Counts the canvas's cells by the colour of each cell's centre pixel (the page's own
-# palette, read from its CSS variables): what the user sees, not the page's data.
-COUNT_CELLS_JS = """
-const canvas = document.querySelector(`section[data-replica-id="${arguments[0]}"] canvas.grid`);
-if (!canvas || !canvas.dataset.numBlocks) return null;
-const n = Number(canvas.dataset.numBlocks), cols = Number(canvas.dataset.cols), cell = Number(canvas.dataset.cell);
-const style = getComputedStyle(document.documentElement);
-const rgb = hex => [1, 3, 5].map(i => parseInt(hex.trim().slice(i, i + 2), 16)).join(",");
-const names = Object.fromEntries(["free", "cached", "used", "shared"].map(
-  s => [rgb(style.getPropertyValue("--" + s)), s]));
-const pixels = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
-const counts = {free: 0, cached: 0, used: 0, shared: 0, other: 0, cells: n,
-                rows: canvas.height / cell, cols: cols, cell: cell};
-for (let i = 0; i < n; i++) {
-  const x = (i % cols) * cell + Math.floor(cell / 2), y = Math.floor(i / cols) * cell + Math.floor(cell / 2);
-  const k = (y * canvas.width + x) * 4;
-  counts[names[[pixels[k], pixels[k + 1], pixels[k + 2]].join(",")] || "other"]++;
-}
-return counts;
-"""
 
 
 def _stats(api, blocks=True) -> list[dict]:
@@ -91,33 +71,8 @@ def test_stats_blocks_agree_with_stats_and_count_hits_of_a_known_prompt(api, cli
 
 @pytest.fixture(scope="module")
 def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
-    assert chromium and driver_path, ("Debian's chromium and chromium-driver are needed (scripts/setup.sh "
-                                      "installs them): apt-get install chromium chromium-driver")
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1500,1000",
-                "--disable-gpu", "--no-first-run", "--disable-extensions"):
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=options, service=Service(driver_path))
-    try:
+    with chromium() as driver:
         yield driver
-    finally:
-        driver.quit()
-
-
-def _wait(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def test_page_in_chromium_follows_a_long_request(api, browser, tokenizer):
@@ -127,9 +82,9 @@ def test_page_in_chromium_follows_a_long_request(api, browser, tokenizer):
     (idle,) = _stats(api)
     replica_id, total = idle["replica_id"], idle["num_total_blocks"]
     browser.get(api.url + "/dashboard")
-    sections = _wait(lambda: browser.find_elements(By.CSS_SELECTOR, "section.replica"), 30, "a replica's section")
+    sections = wait(lambda: browser.find_elements(By.CSS_SELECTOR, "section.replica"), 30, "a replica's section")
     assert [s.get_attribute("data-replica-id") for s in sections] == [replica_id]
-    counts = _wait(lambda: browser.execute_script(COUNT_CELLS_JS, replica_id), 30, "the grid")
+    counts = wait(lambda: browser.execute_script(COUNT_CELLS_JS, replica_id), 30, "the grid")
     assert counts["cells"] == total and counts["cols"] * counts["rows"] >= total > counts["cols"] * (counts["rows"] - 1)
     assert counts["used"] == counts["shared"] == counts["other"] == 0
     assert counts["free"] + counts["cached"] == total
@@ -151,7 +106,7 @@ def test_page_in_chromium_follows_a_long_request(api, browser, tokenizer):
     thread.start()
     try:
         in_use = []
-        seen = _wait(lambda: (c := browser.execute_script(COUNT_CELLS_JS, replica_id))["used"] and c, 120,
+        seen = wait(lambda: (c := browser.execute_script(COUNT_CELLS_JS, replica_id))["used"] and c, 120,
                      "in-use cells while the request runs")
         in_use.append(seen["used"])
         time.sleep(2.5)  # two more polls: the request has grown
@@ -182,7 +137,7 @@ def test_page_in_chromium_follows_a_long_request(api, browser, tokenizer):
         assert done.wait(300)
     finally:
         thread.join(300)
-    after = _wait(lambda: (c := browser.execute_script(COUNT_CELLS_JS, replica_id))["used"] == 0 and c, 30,
+    after = wait(lambda: (c := browser.execute_script(COUNT_CELLS_JS, replica_id))["used"] == 0 and c, 30,
                   "no in-use cells after the request ended")
     assert after["shared"] == 0 and after["free"] + after["cached"] == total
     stats = _stats(api, blocks=False)[0]
