@@ -96,6 +96,10 @@ class ModelRunner:
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = hf.num_key_value_heads
         self.head_dim = head_dim_of(hf)
+        if self.backend == "cpu":  # which kernels run; a $MINI_INFER_CPU_ISA this CPU lacks fails here
+            from kernels import cpu_attention
+
+            logger.info("CPU attention: the %s kernels", cpu_attention.selected_isa(self.head_dim))
         self.vocab_size = hf.vocab_size
         self.model = self._build_model(loaded)
         self.sampler = Sampler(self.device, config.seed)
