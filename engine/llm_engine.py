@@ -56,6 +56,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, sched.max_model_len)
+        self.num_generation_tokens = 0  # tokens sampled by every step so far
         logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention %s, "
                     "prefix caching %s", config.model, self.model_runner.dtype, self.model_runner.device,
                     self.block_manager.num_blocks, self.block_manager.block_size,
@@ -258,6 +259,7 @@ class LLMEngine:
             self._finish_requests(request_ids, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}")
             return self.output_processor.make_outputs()
         for sequence, token in self.scheduler.update(scheduler_output, runner_output):
+            self.num_generation_tokens += 1
             stop = self.output_processor.add_token(sequence, token)
             if stop is not None:
                 self._stop_at_string(sequence, stop)
@@ -298,6 +300,7 @@ class LLMEngine:
         ``prefix_cache_queries`` and ``prefix_cache_hits`` are tokens: of the requests
         taken from the waiting queue (a preempted one is looked up again), and of those the
         ones found in the cache; ``prefix_cache_hit_rate`` is their ratio (0 before any).
+        ``num_generation_tokens`` counts the tokens sampled since the engine started.
         """
         bm, sched = self.block_manager, self.scheduler
         total, free = bm.num_blocks, bm.num_free_blocks
@@ -314,6 +317,7 @@ class LLMEngine:
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
             "num_cached_blocks": bm.num_cached_blocks,
             "num_free_cached_blocks": bm.num_free_cached_blocks,
+            "num_generation_tokens": self.num_generation_tokens,
         }
 
 

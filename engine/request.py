@@ -49,6 +49,7 @@ class Request:
     With prefix caching, ``block_hashes`` holds the hashes of its full blocks (prompt and
     output, extended by the scheduler as tokens come), and ``num_cached_tokens`` the prompt
     tokens found in the cache when it was first scheduled (``None`` before that).
+    ``num_preemptions`` counts the times this sequence was preempted.
     """
 
     request_id: str
@@ -62,6 +63,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None
+    num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     num_forks_pending: int = 0
     status: RequestStatus = RequestStatus.WAITING

@@ -165,6 +165,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+        request.num_preemptions += 1
 
     def _schedule_waiting(self, scheduler_output: SchedulerOutput, budget: int) -> None:
         num_seqs = len(self.running) + sum(r.num_forks_pending for r in self.running)
