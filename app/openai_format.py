@@ -75,6 +75,7 @@ class ResponseFormatter:
         self.include_usage = include_usage
         self.num_prompt_tokens = 0
         self.echo_text: str | None = None  # the prompt, put before each choice's text (echo)
+        self.num_cached_tokens = 0
 
     # ---- accumulate ----------------------------------------------------------------------
 
@@ -82,6 +83,7 @@ class ResponseFormatter:
         """Record one engine output; returns ``(index, delta)`` per choice it touched."""
         self.num_prompt_tokens = output["num_prompt_tokens"]
         self.echo_text = output.get("prompt_text", self.echo_text)
+        self.num_cached_tokens = output["num_cached_tokens"]
         deltas = []
         for delta in output["outputs"]:
             choice = self.choices[delta["index"]]
@@ -98,7 +100,8 @@ class ResponseFormatter:
     def usage(self) -> dict:
         completion = sum(c.num_tokens for c in self.choices)
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.num_prompt_tokens + completion}
+                "total_tokens": self.num_prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
 
     # ---- render --------------------------------------------------------------------------
 

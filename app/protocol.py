@@ -111,6 +111,8 @@ class SamplingRequest(BaseModel):
     guided_grammar: str | None = Field(None, description="vLLM's older name of structured_outputs.grammar.")
     # The request field each constraint came from, for errors (engine name -> client name).
     _constraint_param: str | None = PrivateAttr(None)
+    cache_salt: str | None = Field(None, description="Prefix caching: only requests with the same "
+                                   "salt share cached KV blocks (vLLM's field); a non-empty string.")
 
     def engine_prompt(self) -> dict:
         """What ``EngineServer.generate`` takes as its prompt."""
@@ -139,7 +141,7 @@ class SamplingRequest(BaseModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=_logit_bias(self.logit_bias), output_kind=RequestOutputKind.DELTA,
-            structured_outputs=self.structured_outputs_params())
+            cache_salt=self.cache_salt, structured_outputs=self.structured_outputs_params())
 
     def constraints(self) -> list[tuple[str, dict]]:
         """``(request field, StructuredOutputsParams kwargs)`` for every constraint set."""
@@ -381,8 +383,13 @@ class ChatCompletionRequest(SamplingRequest):
         return self.top_logprobs or 0
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens whose KV came from the prefix cache.")
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = Field(description="Tokens in the prompt.")
+    prompt_tokens_details: PromptTokensDetails = Field(description="Of the prompt tokens, the cached ones.")
     completion_tokens: int = Field(description="Tokens generated, all choices.")
     total_tokens: int = Field(description="Their sum.")
 

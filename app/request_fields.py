@@ -119,6 +119,7 @@ KNOWN_FIELDS: list[KnownField] = [
     *_implemented("skip_special_tokens", False),
     *_implemented("add_generation_prompt", False, CHAT),
     *_implemented("continue_final_message", True, CHAT, requires={"add_generation_prompt": False}),
+    *_implemented("cache_salt", "tenant-a"),
     # ---- unsupported: OpenAI ----
     *_unsupported("best_of", 3, off=(None, 1), note="server-side best-of-n (vLLM V1 dropped it too)"),
     *_unsupported("suffix", "!", COMPLETIONS, off=(None, ""), note="fill-in-the-middle"),

@@ -21,6 +21,7 @@ from engine.errors import EngineDeadError, RequestFailedError
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.snapshot import SnapshotChannel
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class AsyncLLM:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self._dead: BaseException | None = None
+        self.snapshots = SnapshotChannel(self.engine, on_request=self._wakeup.set)
         self._thread = threading.Thread(target=self._run_loop, name="engine-step-loop", daemon=True)
         self._thread.start()
 
@@ -115,6 +117,11 @@ class AsyncLLM:
         """The engine's counters (read without locking; each value is a plain int or float)."""
         return self.engine.stats()
 
+    async def snapshot(self) -> dict:
+        """``engine.snapshot.engine_snapshot``, taken by the step loop between two steps
+        (within one step's time; at once while the loop is idle)."""
+        return await asyncio.wrap_future(self.snapshots.request())
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; pending and later calls fail with ``EngineDeadError``."""
         self._stopping = True
@@ -132,14 +139,16 @@ class AsyncLLM:
 
     def _run_loop(self) -> None:
         try:
-            while not self._stopping:
-                self._wakeup.clear()
-                self._apply_commands()
-                if not self.engine.has_unfinished_requests():
-                    self._wakeup.wait()
-                    continue
-                for output in self.engine.step():
-                    self._publish(output.request_id, output)
+            with self.snapshots.driving():
+                while not self._stopping:
+                    self._wakeup.clear()
+                    self._apply_commands()
+                    self.snapshots.serve()
+                    if not self.engine.has_unfinished_requests():
+                        self._wakeup.wait()
+                        continue
+                    for output in self.engine.step():
+                        self._publish(output.request_id, output)
             self._dead = EngineDeadError("the engine was shut down")
         except BaseException as exc:  # noqa: BLE001 - report, then fail every waiter
             logger.exception("engine step loop died")

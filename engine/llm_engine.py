@@ -53,16 +53,18 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_id = _eos_token_id(loaded)
         self.model_runner = ModelRunner(config, loaded)
-        self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size)
+        self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size,
+                                          enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._structured_outputs = None  # StructuredOutputManager, made on the first constrained request
         self._compiling: list[Request] = []  # added requests whose grammar was still compiling
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, sched.max_model_len)
-        logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention %s",
-                    config.model, self.model_runner.dtype, self.model_runner.device,
+        self.num_generation_tokens = 0  # tokens sampled by every step so far
+        logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention %s, "
+                    "prefix caching %s", config.model, self.model_runner.dtype, self.model_runner.device,
                     self.block_manager.num_blocks, self.block_manager.block_size,
-                    self.model_runner.backend)
+                    self.model_runner.backend, "on" if config.cache.enable_prefix_caching else "off")
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -253,6 +255,17 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block, so that later requests recompute their prompts
+        (e.g. between benchmark runs). Blocks that running requests hold stay theirs, no
+        longer shareable. Always succeeds here (vLLM's returns False while requests run).
+
+        Returns:
+            True.
+        """
+        self.block_manager.reset_prefix_cache()
+        return True
+
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -283,6 +296,7 @@ class LLMEngine:
             if sequence.grammar is not None and not sequence.grammar.accept(token.token_id):
                 self._fail_sequence(sequence, f"structured_outputs: the grammar does not allow the "
                                               f"sampled token {token.token_id}")
+            self.num_generation_tokens += 1
             stop = self.output_processor.add_token(sequence, token)
             if stop is not None:
                 self._stop_at_string(sequence, stop)
@@ -335,16 +349,31 @@ class LLMEngine:
     # ---- introspection -------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """Counters for tests, logs and metrics."""
-        total = self.block_manager.num_blocks
-        free = self.block_manager.num_free_blocks
+        """Counters for tests, logs and metrics.
+
+        ``num_free_blocks`` counts free blocks that still hold a cached prefix
+        (``num_free_cached_blocks`` of them): they are evicted when taken.
+        ``prefix_cache_queries`` and ``prefix_cache_hits`` are tokens: of the requests
+        taken from the waiting queue (a preempted one is looked up again), and of those the
+        ones found in the cache; ``prefix_cache_hit_rate`` is their ratio (0 before any).
+        ``num_generation_tokens`` counts the tokens sampled since the engine started.
+        """
+        bm, sched = self.block_manager, self.scheduler
+        total, free = bm.num_blocks, bm.num_free_blocks
+        queries, hits = sched.prefix_cache_queries, sched.prefix_cache_hits
         return {
             "num_total_blocks": total,
             "num_free_blocks": free,
             "kv_cache_usage": (total - free) / total,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "num_preemptions": sched.num_preemptions,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "num_cached_blocks": bm.num_cached_blocks,
+            "num_free_cached_blocks": bm.num_free_cached_blocks,
+            "num_generation_tokens": self.num_generation_tokens,
         }
 
 

@@ -50,6 +50,11 @@ class Request:
     counts the leading tokens of prompt + output whose K/V are in the cache; preemption (by
     recompute) resets it to 0, keeping the output so far (and ``grammar``'s position, which
     follows the output).
+
+    With prefix caching, ``block_hashes`` holds the hashes of its full blocks (prompt and
+    output, extended by the scheduler as tokens come), and ``num_cached_tokens`` the prompt
+    tokens found in the cache when it was first scheduled (``None`` before that).
+    ``num_preemptions`` counts the times this sequence was preempted.
     """
 
     request_id: str
@@ -62,6 +67,9 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
     num_forks_pending: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

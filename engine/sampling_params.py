@@ -142,6 +142,9 @@ class SamplingParams:
             it may end (``min_tokens`` does not hold EOS back there: the constraint
             decides). With ``ignore_eos``, the tokens after an EOS the constraint allowed
             are unconstrained.
+        cache_salt: enters the hash of the prompt's first KV block, so that with prefix
+            caching only requests with the same salt share cached blocks (vLLM's name:
+            tenants with different salts never read each other's K/V); a non-empty string.
 
     Raises:
         InvalidRequestError: (a ``ValueError``) naming the field and its allowed range, on
@@ -168,6 +171,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "an integer in [1, 128]", self.n)
@@ -190,6 +194,8 @@ class SamplingParams:
                self.stop_token_ids)
         _check(all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",
                "a map of token id to a bias in [-100, 100]", self.logit_bias)
+        _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
+               "cache_salt", "a non-empty string", self.cache_salt)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
