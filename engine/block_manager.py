@@ -88,6 +88,9 @@ class BlockManager:
         self.cached_blocks: dict[BlockHash, int] = {}  # hash -> block id
         self._num_hashed: dict[str, int] = {}  # by seq id: leading table blocks already offered to the cache
         self._num_free_cached = 0  # kept as a count: stats() reads it from other threads
+        # by block id: admissions that found the block in the cache since it was cached (the
+        # dashboard's "hits" of a cached block)
+        self.hit_counts = [0] * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -196,6 +199,7 @@ class BlockManager:
         if block_hash is not None:
             del self.cached_blocks[block_hash]
             self.block_hashes[block_id] = None
+            self.hit_counts[block_id] = 0
             self._num_free_cached -= 1
         self.ref_counts[block_id] = 1
         return block_id
@@ -256,6 +260,8 @@ class BlockManager:
         if needed > self.num_free_blocks:
             raise NoFreeBlocksError(f"sequence {seq_id!r} needs {needed} blocks, {self.num_free_blocks} free")
         taken = list(self._hits_taken(hits, num_computed_tokens))
+        for block_id in hits:
+            self.hit_counts[block_id] += 1
         for block_id in taken:
             if self.ref_counts[block_id] == 0:
                 del self.free_block_queue[block_id]
@@ -296,6 +302,7 @@ class BlockManager:
         num_blocks = len(self.cached_blocks)
         for block_id in self.cached_blocks.values():
             self.block_hashes[block_id] = None
+            self.hit_counts[block_id] = 0
         self.cached_blocks.clear()
         self._num_free_cached = 0
         return num_blocks
@@ -305,7 +312,8 @@ class BlockManager:
     def check_invariants(self, written_blocks: Iterable[int] = ()) -> None:
         """Raise ``AssertionError`` naming the broken invariant: ref counts equal the
         references in block tables; the free queue holds exactly the unreferenced blocks;
-        ``cached_blocks`` and ``block_hashes`` agree, one block per hash; and each of
+        ``cached_blocks`` and ``block_hashes`` agree, one block per hash; only cached blocks
+        count hits; and each of
         ``written_blocks`` (those a step writes K/V into) is private and uncached."""
         for block_id in written_blocks:
             _require(self.ref_counts[block_id] == 1 and self.block_hashes[block_id] is None,
@@ -325,6 +333,8 @@ class BlockManager:
         num_hashed = sum(h is not None for h in self.block_hashes)
         _require(num_hashed == len(self.cached_blocks),
                  f"{num_hashed} blocks carry a hash, {len(self.cached_blocks)} hashes are cached")
+        uncached_hits = [b for b in range(self.num_blocks) if self.hit_counts[b] and self.block_hashes[b] is None]
+        _require(not uncached_hits, f"blocks {uncached_hits} count hits but are not cached")
         num_free_cached = sum(1 for b in self.cached_blocks.values() if refs[b] == 0)
         _require(num_free_cached == self._num_free_cached,
                  f"{num_free_cached} free cached blocks, counted {self._num_free_cached}")

@@ -10,6 +10,8 @@ Each step, in order:
 2. If nothing was preempted, waiting requests are admitted in arrival order while
    ``max_num_seqs``, the token budget ``max_num_batched_tokens`` and the free block count
    allow. A prompt longer than the remaining budget is prefilled in chunks over several steps.
+   A request whose structured-outputs grammar is still compiling (``Request.is_ready``) is
+   passed over, keeping its place, until its compile is done.
 
 Because ``max_num_batched_tokens >= max_num_seqs`` and at most one running request (the last
 admitted) is ever mid-prefill, every running request in the decode phase is scheduled every
@@ -165,12 +167,17 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+        request.num_preemptions += 1
 
     def _schedule_waiting(self, scheduler_output: SchedulerOutput, budget: int) -> None:
         num_seqs = len(self.running) + sum(r.num_forks_pending for r in self.running)
         bm = self.block_manager
+        compiling = []  # requests whose grammar is still compiling keep their place
         while self.waiting and budget > 0:
             request = self.waiting[0]
+            if not request.is_ready:
+                compiling.append(self.waiting.popleft())
+                continue
             if num_seqs + 1 + request.num_forks_pending > self.config.max_num_seqs:
                 break
             hits, num_cached = self._find_cached_prefix(request)
@@ -189,6 +196,7 @@ class Scheduler:
             self.running.append(request)
             self._add_scheduled(scheduler_output, request, num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
 
     def _find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
         """The cached blocks the request can start from, and how many of its tokens they
@@ -281,7 +289,9 @@ class Scheduler:
                             index=index, arrival_time=parent.arrival_time,
                             num_computed_tokens=parent.num_computed_tokens,
                             num_cached_tokens=parent.num_cached_tokens,
-                            block_hashes=list(parent.block_hashes), status=RequestStatus.RUNNING)
+                            block_hashes=list(parent.block_hashes), status=RequestStatus.RUNNING,
+                            # its own matcher, where the parent's is before its first token
+                            grammar=None if parent.grammar is None else parent.grammar.fork())
             self._reserved_seq_ids.discard(child.seq_id)
             self.block_manager.fork(parent.seq_id, child.seq_id)
             self.requests[child.seq_id] = child

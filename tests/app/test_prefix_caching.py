@@ -57,7 +57,8 @@ def test_cache_salt_keeps_tenants_apart(api, client, tokenizer):
     bad = requests.post(api.url + "/v1/chat/completions", timeout=60,
                         json={**kwargs, "messages": _chat(system, "Hi"), "cache_salt": ""})
     assert bad.status_code == 400
-    assert bad.json()["error"]["message"] == "cache_salt must be a non-empty string; got ''"
+    assert bad.json()["error"] == {"message": "cache_salt must be a non-empty string; got ''",
+                                   "type": "invalid_request_error", "param": "cache_salt", "code": None}
 
 
 def test_stats_report_prefix_cache_counters(api, client, tokenizer):
