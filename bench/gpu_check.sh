@@ -102,7 +102,7 @@ if (( dry_run )); then
 else
   run_part kernel_bench 70 "$PY" bench/kernel_bench.py bench --json-out "$PARTS/kernel_bench.json"
 fi
-run_part engine_torch 100 "$PY" bench/gpu_check.py engine --backend torch \
+run_part engine_torch 150 "$PY" bench/gpu_check.py engine --backend torch \
   --json-out "$PARTS/engine_torch.json" "${dry[@]}"
 
 "$PY" bench/gpu_check.py merge --dir "$PARTS" --out "$out_dir/gpu_check-$DATE.json" --date "$DATE"

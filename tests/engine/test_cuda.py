@@ -50,6 +50,7 @@ def test_auto_dtype_and_no_compile_after_start_up():
     assert runner.dtype == (torch.bfloat16 if major >= 8 else torch.float16)
     assert runner.backend == "triton"
     before = compiled_variant_counts()
-    prompts = [list(range(1, n)) for n in (5, 40, 90, 17, 3, 700)]
+    vocab_size = llm.llm_engine.model_config.vocab_size
+    prompts = [[1 + i % (vocab_size - 1) for i in range(n)] for n in (5, 40, 90, 17, 3, 700)]
     llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
     assert compiled_variant_counts() == before
