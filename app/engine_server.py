@@ -13,6 +13,7 @@ import ray
 from ray import serve
 
 from app.config import AppConfig
+from app.dashboard import RecentLatencies, node_id, replica_view
 from app.errors import from_exception
 from app.metrics import EngineMetrics, Families
 from app.records import CompletionDelta, EngineOutput, LogprobEntry, Rejection
@@ -59,6 +60,8 @@ class EngineServer:
         except Exception:  # noqa: BLE001 - outside Serve (tests): any unique name will do
             self.replica_id = uuid.uuid4().hex[:8]
         self.metrics = EngineMetrics(config.model_name, self.replica_id)
+        self.latencies = RecentLatencies()  # the dashboard's TTFT and ITL percentiles
+        self.node_id = node_id()
         tokenizer = self.llm.engine.tokenizer
         self.token_bytes = None if tokenizer is None else TokenBytes(tokenizer)
         self._num_in_flight = 0  # generate() calls not finished; only the replica's loop touches it
@@ -109,7 +112,7 @@ class EngineServer:
     async def _generate(self, prompt: dict, params: SamplingParams, request_id: str | None,
                         echo: bool, stream: bool) -> AsyncIterator[EngineOutput | Rejection]:
         start = time.perf_counter()
-        timing = _Timing(start)
+        timing = _Timing(start, self.latencies)
         num_output_tokens, finish_reasons, num_prompt_tokens = 0, [], 0
         try:
             async with contextlib.aclosing(self._outputs(prompt, params, request_id)) as outputs:
@@ -177,7 +180,11 @@ class EngineServer:
             return False
         return True
 
-    def stats(self) -> dict:
+    async def stats(self, blocks: bool = False) -> dict:
+        """The engine's counters and this replica's id; with ``blocks``, the dashboard's
+        whole view (``app.dashboard.replica_view``), taken between two steps."""
+        if blocks:
+            return replica_view(await self.llm.snapshot(), self.replica_id, self.node_id, self.latencies)
         return {**self.llm.stats(), "replica_id": self.replica_id}
 
     def limits(self) -> dict:
@@ -215,18 +222,22 @@ def rejection(exc: BaseException) -> Rejection:
 
 
 class _Timing:
-    """First-output time and inter-token latency of one request."""
+    """First-output time and inter-token latency of one request (also kept in
+    ``latencies`` for the dashboard)."""
 
-    def __init__(self, start: float) -> None:
+    def __init__(self, start: float, latencies: RecentLatencies) -> None:
         self.first: float | None = None
-        self.last = start
+        self.start = self.last = start
+        self.latencies = latencies
 
     def tick(self, metrics: EngineMetrics) -> None:
         now = time.perf_counter()
         if self.first is None:
             self.first = now
+            self.latencies.ttft.append(now - self.start)
         else:
             metrics.record_itl(now - self.last)
+            self.latencies.itl.append(now - self.last)
         self.last = now
 
 
@@ -237,6 +248,7 @@ def output_to_dict(output: RequestOutput, replica_id: str,
     return EngineOutput(
         replica_id=replica_id,
         num_prompt_tokens=len(output.prompt_token_ids),
+        num_cached_tokens=output.num_cached_tokens or 0,
         finished=output.finished,
         error=output.error,
         outputs=[CompletionDelta(

@@ -13,13 +13,14 @@ import uuid
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from app.admission import Admission, CachedCheck, ClosingStreamingResponse
 from app.config import AppConfig
+from app.dashboard import page
 from app.errors import OpenAIError, client_closed, from_exception, install_error_handlers, log_error, sse_error
 from app.metrics import HttpMetrics, render
 from app.middleware import install_middleware
@@ -72,7 +73,7 @@ class _EngineCall:
 @serve.ingress(fastapi_app)
 class OpenAIIngress:
     """Routes ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
-    ``/ready``, ``/stats`` and ``/metrics`` to the engine deployment.
+    ``/ready``, ``/stats``, ``/dashboard`` and ``/metrics`` to the engine deployment.
 
     Args:
         engine: handle to the ``EngineServer`` deployment.
@@ -107,7 +108,8 @@ class OpenAIIngress:
     @fastapi_app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check(body, "chat")
-        formatter = ChatFormatter(self.config.model_name, body.n, body.num_logprobs(), body.include_usage)
+        formatter = ChatFormatter(self.config.model_name, body.n, body.num_logprobs(), body.include_usage,
+                                  body.tool_mode())
         return await self._respond(request, body, formatter, prompt_param="messages")
 
     @fastapi_app.get("/v1/models")
@@ -130,12 +132,18 @@ class OpenAIIngress:
         return await self._ready()
 
     @fastapi_app.get("/stats")
-    async def stats(self):
-        """Every engine replica's counters (blocks, running, waiting, preemptions)."""
+    async def stats(self, blocks: bool = False):
+        """Every engine replica's counters (blocks, running, waiting, preemptions); with
+        ``?blocks=1`` also its block pool and sequences (``app.dashboard.replica_view``)."""
         try:
-            return {"replicas": await self.engine.broadcast("stats").results_async()}
+            return {"replicas": await self.engine.broadcast("stats", blocks).results_async()}
         except Exception as exc:  # noqa: BLE001 - Serve's own handler would answer in plain text
             raise from_exception(exc) from exc
+
+    @fastapi_app.get("/dashboard")
+    async def dashboard(self):
+        """The live page of every engine replica's KV blocks and queues (``app.dashboard``)."""
+        return HTMLResponse(page(), headers={"Cache-Control": "no-store"})
 
     @fastapi_app.get("/metrics")
     async def metrics(self):
@@ -233,6 +241,7 @@ class OpenAIIngress:
             error = OpenAIError(**first)
             if error.param == "prompt":  # the engine says "prompt"; a chat request sent messages
                 error.param = prompt_param
+            error.message, error.param = body.client_param(error.message, error.param)
             raise error
         headers = {REPLICA_HEADER: first["replica_id"]}
         if body.stream:

@@ -78,6 +78,10 @@ _ENGINE_SERIES = [
     ("num_waiting", "gauge", "mini_infer_num_requests_waiting", "Sequences waiting for admission."),
     ("kv_cache_usage", "gauge", "mini_infer_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)."),
     ("preemptions", "counter", "mini_infer_num_preemptions_total", "Sequences preempted (to be recomputed)."),
+    ("prefix_cache_queries", "counter", "mini_infer_prefix_cache_queries_total",
+     "Prefix cache: tokens of requests looked up at admission."),
+    ("prefix_cache_hits", "counter", "mini_infer_prefix_cache_hits_total",
+     "Prefix cache: tokens found in the cache (hit rate = hits / queries)."),
     ("prompt_tokens", "counter", "mini_infer_prompt_tokens_total", "Prompt tokens of accepted requests."),
     ("generation_tokens", "counter", "mini_infer_generation_tokens_total", "Generated tokens."),
     ("ttft", "histogram", "mini_infer_time_to_first_token_seconds", "Time to first token (TTFT)."),
@@ -110,17 +114,22 @@ class EngineMetrics(_Metrics):
                                      "Finished requests by finish reason.", keys + ("finished_reason",))
         for reason in FINISH_REASONS:
             self.finished.touch({**self.tags, "finished_reason": reason})
-        self._last_preemptions = 0
+        # stats() key -> the counter that grows with it
+        self._totals = {"num_preemptions": self.preemptions, "prefix_cache_queries": self.prefix_cache_queries,
+                        "prefix_cache_hits": self.prefix_cache_hits}
+        self._last = dict.fromkeys(self._totals, 0)
 
     def record_stats(self, stats: dict) -> None:
-        """Gauges from ``LLMEngine.stats()``; the preemption counter grows by the difference."""
+        """Gauges from ``LLMEngine.stats()``; the counters of its running totals
+        (preemptions, prefix cache queries and hits) grow by the difference."""
         self.num_running.set(stats["num_running"], self.tags)
         self.num_waiting.set(stats["num_waiting"], self.tags)
         self.kv_cache_usage.set(stats["kv_cache_usage"], self.tags)
-        new = stats["num_preemptions"] - self._last_preemptions
-        if new > 0:
-            self.preemptions.inc(new, self.tags)
-        self._last_preemptions = stats["num_preemptions"]
+        for key, counter in self._totals.items():
+            new = stats[key] - self._last[key]
+            if new > 0:
+                counter.inc(new, self.tags)
+            self._last[key] = stats[key]
 
     def record_request(self, num_prompt_tokens: int, num_output_tokens: int, ttft: float,
                        e2e: float, finish_reasons: list[str]) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from app.protocol import new_id, now
 from app.records import CompletionDelta, EngineOutput, LogprobEntry
+from app.tool_calls import ToolCallStream, ToolMode, final_message
 
 DONE = "data: [DONE]\n\n"
 
@@ -74,6 +75,7 @@ class ResponseFormatter:
         self.include_usage = include_usage
         self.num_prompt_tokens = 0
         self.echo_text: str | None = None  # the prompt, put before each choice's text (echo)
+        self.num_cached_tokens = 0
 
     # ---- accumulate ----------------------------------------------------------------------
 
@@ -81,6 +83,7 @@ class ResponseFormatter:
         """Record one engine output; returns ``(index, delta)`` per choice it touched."""
         self.num_prompt_tokens = output["num_prompt_tokens"]
         self.echo_text = output.get("prompt_text", self.echo_text)
+        self.num_cached_tokens = output["num_cached_tokens"]
         deltas = []
         for delta in output["outputs"]:
             choice = self.choices[delta["index"]]
@@ -97,7 +100,8 @@ class ResponseFormatter:
     def usage(self) -> dict:
         completion = sum(c.num_tokens for c in self.choices)
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.num_prompt_tokens + completion}
+                "total_tokens": self.num_prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
 
     # ---- render --------------------------------------------------------------------------
 
@@ -154,11 +158,24 @@ class ResponseFormatter:
 
 
 class ChatFormatter(ResponseFormatter):
-    """Chat completions: ``message``/``delta`` objects and the chat logprobs shape."""
+    """Chat completions: ``message``/``delta`` objects and the chat logprobs shape; with
+    tools, ``tool_calls`` (``app.tool_calls``) and ``finish_reason: "tool_calls"`` where the
+    reply ended (``stop``) having called a tool.
+
+    Args:
+        tool_mode: how the replies hold tool calls (``ChatCompletionRequest.tool_mode``),
+            ``None`` without tools.
+    """
 
     id_prefix = "chatcmpl"
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, model: str, n: int, num_logprobs: int | None, include_usage: bool,
+                 tool_mode: ToolMode | None = None) -> None:
+        super().__init__(model, n, num_logprobs, include_usage)
+        self.tool_mode = tool_mode
+        self._tool_streams = [ToolCallStream(tool_mode) for _ in range(n)] if tool_mode else None
 
     def chunks(self, output: EngineOutput, first: bool) -> list[str]:
         # The first chunk of each choice carries the assistant role, as OpenAI's does.
@@ -168,14 +185,24 @@ class ChatFormatter(ResponseFormatter):
         return roles + super().chunks(output, first)
 
     def _full_choice(self, index: int, choice: _Choice) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": "".join(choice.text)},
-                "logprobs": self._logprobs(choice.logprobs, None), "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason}
+        text, finish_reason = "".join(choice.text), choice.finish_reason
+        message = {"role": "assistant", "content": text}
+        if self.tool_mode is not None:
+            message = final_message(self.tool_mode, text)
+            if message.get("tool_calls") and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return {"index": index, "message": message, "logprobs": self._logprobs(choice.logprobs, None),
+                "finish_reason": finish_reason, "stop_reason": choice.stop_reason}
 
     def _delta_choice(self, index: int, delta: CompletionDelta) -> dict:
-        return {"index": index, "delta": {"content": delta["text"]},
-                "logprobs": self._logprobs(delta["logprobs"], None),
-                "finish_reason": delta["finish_reason"], "stop_reason": delta["stop_reason"]}
+        message, finish_reason = {"content": delta["text"]}, delta["finish_reason"]
+        if self._tool_streams is not None:
+            stream = self._tool_streams[index]
+            message = stream.delta(delta["text"], finish_reason is not None)
+            if stream.num_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return {"index": index, "delta": message, "logprobs": self._logprobs(delta["logprobs"], None),
+                "finish_reason": finish_reason, "stop_reason": delta["stop_reason"]}
 
     def _logprobs(self, entries: list[list[LogprobEntry]] | None, offsets: None) -> dict | None:
         """The chat shape: per token its text, logprob, raw ``bytes`` (joined over the

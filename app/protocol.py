@@ -6,10 +6,11 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from app.tool_calls import ToolMode, tool_constraint
 from engine.errors import InvalidRequestError, excerpt
-from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class ErrorInfo(BaseModel):
@@ -28,6 +29,50 @@ class ErrorResponse(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="Send a last chunk with token usage.")
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(description="The schema's name (not used for decoding).")
+    description: str | None = Field(None, description="What the format is for (not used for decoding).")
+    schema_: dict | None = Field(None, alias="schema", description="The JSON schema the output "
+                                 "validates against; absent: any JSON object.")
+    strict: bool | None = Field(None, description="Accepted; the schema is always enforced.")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` (JSON mode) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"] = Field(description="The kind of output.")
+    json_schema: JsonSchemaFormat | None = Field(None, description="For type json_schema.")
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's ``structured_outputs`` body field: exactly one constraint (``SamplingParams``'
+    ``StructuredOutputsParams``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | str | None = Field(None, alias="json", description="A JSON schema.")
+    regex: str | None = Field(None, description="A regular expression the whole output matches.")
+    choice: list[str] | None = Field(None, description="The output is one of these strings.")
+    grammar: str | None = Field(None, description="An EBNF grammar (xgrammar's syntax) with rule root.")
+    json_object: bool | None = Field(None, description="Any JSON object.")
+    structural_tag: str | None = Field(None, description="An xgrammar structural tag, as JSON text.")
+    disable_any_whitespace: bool = Field(False, description="JSON without whitespace between tokens.")
+
+    def constraint(self) -> dict:
+        """``StructuredOutputsParams``' keyword arguments."""
+        return {"json" if name == "json_" else name: value
+                for name, value in self.model_dump(exclude_none=True).items()}
+
+
+# vLLM's older body fields, each one constraint.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
 
 
 class SamplingRequest(BaseModel):
@@ -57,6 +102,17 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = Field(None, description="Token ids that end generation.")
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string in the text.")
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema.")
+    structured_outputs: StructuredOutputsRequest | None = Field(None, description="vLLM's constraints.")
+    guided_json: dict | str | None = Field(None, description="vLLM's older name of structured_outputs.json.")
+    guided_regex: str | None = Field(None, description="vLLM's older name of structured_outputs.regex.")
+    guided_choice: list[str] | None = Field(None, description="vLLM's older name of structured_outputs.choice.")
+    guided_grammar: str | None = Field(None, description="vLLM's older name of structured_outputs.grammar.")
+    # The request field each constraint came from, for errors (engine name -> client name).
+    _constraint_param: str | None = PrivateAttr(None)
+    cache_salt: str | None = Field(None, description="Prefix caching: only requests with the same "
+                                   "salt share cached KV blocks (vLLM's field); a non-empty string.")
 
     def engine_prompt(self) -> dict:
         """What ``EngineServer.generate`` takes as its prompt."""
@@ -84,7 +140,57 @@ class SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            logit_bias=_logit_bias(self.logit_bias), output_kind=RequestOutputKind.DELTA)
+            logit_bias=_logit_bias(self.logit_bias), output_kind=RequestOutputKind.DELTA,
+            cache_salt=self.cache_salt, structured_outputs=self.structured_outputs_params())
+
+    def constraints(self) -> list[tuple[str, dict]]:
+        """``(request field, StructuredOutputsParams kwargs)`` for every constraint set."""
+        found = []
+        response_format = self.response_format
+        if response_format is not None and response_format.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif response_format is not None and response_format.type == "json_schema":
+            if response_format.json_schema is None:
+                raise InvalidRequestError("response_format: type json_schema needs json_schema "
+                                          "({name, schema})", "response_format.json_schema")
+            schema = response_format.json_schema.schema_
+            found.append(("response_format.json_schema.schema",
+                          {"json_object": True} if schema is None else {"json": schema}))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs.constraint()))
+        for name, kind in GUIDED_FIELDS.items():
+            if getattr(self, name) is not None:
+                found.append((name, {kind: getattr(self, name)}))
+        return found
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one constraint of the request, ``None`` without one.
+
+        Raises:
+            InvalidRequestError: naming the request field, for two constraints at once or a
+                malformed one.
+        """
+        found = self.constraints()
+        if not found:
+            return None
+        if len(found) > 1:
+            names = [name.split(".")[0] for name, _ in found]
+            raise InvalidRequestError(f"{names[1]}: only one of {', '.join(names)} may be set "
+                                      "(each constrains the whole output)", names[1])
+        self._constraint_param, kwargs = found[0]
+        try:
+            return StructuredOutputsParams(**kwargs)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(*self.client_param(str(exc), exc.param)) from None
+
+    def client_param(self, message: str, param: str | None) -> tuple[str, str | None]:
+        """An error's ``(message, param)`` with the engine's ``structured_outputs[.field]``
+        renamed to the request field the constraint came from (``guided_json``,
+        ``response_format.json_schema.schema``, ...)."""
+        source = self._constraint_param
+        if param is None or not param.startswith("structured_outputs") or source in (None, "structured_outputs"):
+            return message, param
+        return (source + message[len(param):] if message.startswith(param) else message), source
 
     @property
     def include_usage(self) -> bool:
@@ -140,16 +246,63 @@ class TextPart(BaseModel):
     text: str = Field(description="The text.")
 
 
+class FunctionCall(BaseModel):
+    name: str = Field(description="The function called.")
+    arguments: str = Field(description="Its arguments, as JSON text.")
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (OpenAI's ``message.tool_calls[i]``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = Field(description="The call's id; a tool message answers it by tool_call_id.")
+    type: Literal["function"] = Field("function", description="Only functions.")
+    function: FunctionCall = Field(description="The function and its arguments.")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"] = Field(description="Author.")
-    content: str | list[TextPart] | None = Field(description="Text, or text parts.")
+    content: str | list[TextPart] | None = Field(None, description="Text, or text parts.")
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant message's calls.")
+    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def engine_message(self) -> dict:
+        """The message as ``LLMEngine.chat_prompt`` takes it."""
+        message = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="The function's name.")
+    description: str | None = Field(None, description="What it does, for the model.")
+    parameters: dict | None = Field(None, description="A JSON schema of its arguments (an object).")
+    strict: bool | None = Field(None, description="Accepted; forced calls always follow the schema.")
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = Field(description="Only functions.")
+    function: FunctionDefinition = Field(description="The function.")
+
+
+class NamedFunction(BaseModel):
+    name: str = Field(description="The function to call.")
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = Field(description="Only functions.")
+    function: NamedFunction = Field(description="The function the reply must call.")
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -165,15 +318,54 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = Field(False, description="vLLM's: leave the last message "
                                          "open (no end-of-turn token) for the model to continue; "
                                          "needs add_generation_prompt false.")
+    tools: list[ChatTool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (the default with tools), required, or a named function.")
+    parallel_tool_calls: bool = Field(True, description="required: more than one call may be made.")
+
+    def tool_mode(self) -> ToolMode | None:
+        """How the reply holds tool calls; ``None`` without tools or with ``none``.
+
+        Raises:
+            InvalidRequestError: naming ``tool_choice``, for a choice other than none or
+                auto without tools, or a function not among them.
+        """
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if choice == "none" or (choice == "auto" and not self.tools):
+            return None
+        if not self.tools:
+            raise InvalidRequestError("tool_choice: a tool must be called but tools is empty", "tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            names = [tool.function.name for tool in self.tools]
+            if choice.function.name not in names:
+                raise InvalidRequestError(f"tool_choice: function {excerpt(choice.function.name)} is not "
+                                          f"among tools ({', '.join(names)})", "tool_choice")
+            return ToolMode("named", choice.function.name)
+        return ToolMode(choice)
+
+    def functions(self) -> list[dict]:
+        return [tool.function.model_dump(exclude_none=True) for tool in self.tools or []]
+
+    def constraints(self) -> list[tuple[str, dict]]:
+        mode = self.tool_mode()
+        constraint = None if mode is None else tool_constraint(self.functions(), mode, self.parallel_tool_calls)
+        if constraint is None:
+            return super().constraints()
+        param = "tools" if mode.kind == "required" else f"tools[{self._tool_index(mode.name)}].function.parameters"
+        return [(param, constraint), *super().constraints()]
+
+    def _tool_index(self, name: str) -> int:
+        return next(i for i, tool in enumerate(self.tools) if tool.function.name == name)
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def engine_prompt(self) -> dict:
         """The conversation with ``LLMEngine.chat_prompt``'s options."""
-        return {"messages": [{"role": m.role, "content": m.text()} for m in self.messages],
+        return {"messages": [m.engine_message() for m in self.messages],
                 "add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
+                "continue_final_message": self.continue_final_message,
+                "tools": self.functions() if self.tool_mode() is not None else None}
 
     def num_logprobs(self) -> int | None:
         """``top_logprobs`` as the engine's ``logprobs``, ``None`` when not asked for.
@@ -191,8 +383,13 @@ class ChatCompletionRequest(SamplingRequest):
         return self.top_logprobs or 0
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens whose KV came from the prefix cache.")
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = Field(description="Tokens in the prompt.")
+    prompt_tokens_details: PromptTokensDetails = Field(description="Of the prompt tokens, the cached ones.")
     completion_tokens: int = Field(description="Tokens generated, all choices.")
     total_tokens: int = Field(description="Their sum.")
 

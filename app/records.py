@@ -43,6 +43,7 @@ class EngineOutput(TypedDict):
 
     replica_id: str
     num_prompt_tokens: int
+    num_cached_tokens: int  # of the prompt, found in the prefix cache
     finished: bool
     error: str | None
     outputs: list[CompletionDelta]

@@ -76,8 +76,7 @@ def _unsupported(name: str, example: Any, endpoints: tuple[Endpoint, ...] = ENDP
 COMPLETIONS: tuple[Endpoint, ...] = ("completions",)
 CHAT: tuple[Endpoint, ...] = ("chat",)
 _GUIDED = {"guided_json": {"type": "object"}, "guided_regex": "[ab]", "guided_choice": ["a", "b"],
-           "guided_grammar": 'root ::= "a"', "guided_decoding_backend": "xgrammar",
-           "guided_whitespace_pattern": " ", "structural_tag": "{}"}
+           "guided_grammar": 'root ::= "a"'}
 
 KNOWN_FIELDS: list[KnownField] = [
     # ---- implemented: OpenAI's fields ----
@@ -100,6 +99,13 @@ KNOWN_FIELDS: list[KnownField] = [
     *_implemented("logprobs", True, CHAT),
     *_implemented("top_logprobs", 2, CHAT, requires={"logprobs": True}),
     *_implemented("echo", True, COMPLETIONS),
+    *_implemented("response_format", {"type": "json_object"}),
+    *_implemented("tools", [_TOOL], CHAT),
+    *_implemented("tool_choice", "required", CHAT, requires={"tools": [_TOOL]}),
+    *_implemented("parallel_tool_calls", False, CHAT, requires={"tools": [_TOOL], "tool_choice": "required"}),
+    *_unsupported("functions", [_TOOL["function"]], CHAT, off=(None, []),
+                  note="deprecated: use tools"),
+    *_unsupported("function_call", "auto", CHAT, off=(None, "none"), note="deprecated: use tool_choice"),
     *_known("no_effect", "user", "user-1234", note="an end-user id for abuse monitoring"),
     *_known("no_effect", "safety_identifier", "user-1234", note="an end-user id for abuse monitoring"),
     # ---- implemented: vLLM's extras ----
@@ -113,20 +119,10 @@ KNOWN_FIELDS: list[KnownField] = [
     *_implemented("skip_special_tokens", False),
     *_implemented("add_generation_prompt", False, CHAT),
     *_implemented("continue_final_message", True, CHAT, requires={"add_generation_prompt": False}),
+    *_implemented("cache_salt", "tenant-a"),
     # ---- unsupported: OpenAI ----
     *_unsupported("best_of", 3, off=(None, 1), note="server-side best-of-n (vLLM V1 dropped it too)"),
     *_unsupported("suffix", "!", COMPLETIONS, off=(None, ""), note="fill-in-the-middle"),
-    *_unsupported("response_format", {"type": "json_object"}, off=(None, {"type": "text"}),
-                  note="structured outputs (issue 15)"),
-    *_unsupported("tools", [_TOOL], CHAT, off=(None, []), note="tool calling (issue 15)"),
-    *_unsupported("tool_choice", "required", CHAT, off=(None, "none", "auto"),
-                  note="tool calling (issue 15)"),
-    *_unsupported("parallel_tool_calls", False, CHAT, off=(None, True),
-                  note="tool calling (issue 15)"),
-    *_unsupported("functions", [_TOOL["function"]], CHAT, off=(None, []),
-                  note="deprecated tool calling (issue 15)"),
-    *_unsupported("function_call", "auto", CHAT, off=(None, "none"),
-                  note="deprecated tool calling (issue 15)"),
     *_unsupported("audio", {"voice": "alloy", "format": "wav"}, CHAT),
     *_unsupported("modalities", ["text", "audio"], CHAT, off=(None, ["text"])),
     *_unsupported("prediction", {"type": "content", "content": "x"}, CHAT,
@@ -140,9 +136,13 @@ KNOWN_FIELDS: list[KnownField] = [
     *_unsupported("prompt_cache_key", "k", CHAT),
     *_unsupported("prompt_cache_retention", "24h", CHAT),
     # ---- unsupported: vLLM's extras ----
-    *_unsupported("structured_outputs", {"choice": ["a", "b"]}, note="structured outputs (issue 15)"),
-    *[f for name, example in _GUIDED.items()
-      for f in _unsupported(name, example, note="vLLM's older structured outputs (issue 15)")],
+    *_implemented("structured_outputs", {"choice": ["a", "b"]}),
+    *[f for name, example in _GUIDED.items() for f in _implemented(name, example)],
+    *_unsupported("guided_decoding_backend", "outlines", off=(None, "xgrammar", "auto"),
+                  note="xgrammar is the one backend"),
+    *_unsupported("guided_whitespace_pattern", " ", note="JSON whitespace: structured_outputs' "
+                  "disable_any_whitespace"),
+    *_unsupported("structural_tag", "{}", note="use structured_outputs.structural_tag"),
     *_unsupported("use_beam_search", True, off=(None, False)),
     *_unsupported("length_penalty", 0.5, off=(None, 1.0), note="beam search only"),
     *_unsupported("spaces_between_special_tokens", False, off=(None, True)),

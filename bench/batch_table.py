@@ -39,7 +39,7 @@ def main() -> None:
     for batch in [int(b) for b in args.batches.split(",")]:
         requests = requests_of(batch, args.prompt_len, args.max_tokens)
         rows.append({"batch": batch, "transformers": run_hf_static(hf, requests, batch, args.device),
-                     "mini-infer": run_mini_infer(args.model, args.dtype, args.device, requests)})
+                     "mini-infer": run_mini_infer("mini-infer", args.model, args.dtype, args.device, requests)})
     result = {"model": args.model, "dtype": args.dtype, "device": args.device,
               "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
               "machine": machine_info(), "rows": rows}

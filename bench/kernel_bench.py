@@ -16,9 +16,14 @@ combinations measure the launch path, as the engine sees it, not the memory syst
 
 It is one part of ``bench/gpu_check.sh``.
 
+``cpu`` benchmarks the CPU backend (``bench/kernel_bench_cpu.py``): decode attention GB/s
+against the same run's copy bandwidth in bf16 and fp32, and prefill attention against the
+per-sequence path; a table, and JSON and PNG under ``results/`` (git-ignored).
+
 Usage::
 
     python bench/kernel_bench.py bench --json-out FILE
+    python bench/kernel_bench.py cpu [--shape qwen2.5-7b] [--batches 1,64] [--contexts 512]
 """
 from __future__ import annotations
 
@@ -235,8 +240,27 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="time decode attention (needs CUDA)")
     bench.add_argument("--json-out", type=Path, required=True)
+    cpu = sub.add_parser("cpu", help="time the CPU attention kernels (decode and prefill)")
+    cpu.add_argument("--shape", default="smollm2-135m", choices=("smollm2-135m", "qwen2.5-7b"))
+    cpu.add_argument("--dtypes", default="bfloat16,float32")
+    cpu.add_argument("--batches", default="1,4,16,64,256")
+    cpu.add_argument("--contexts", default="128,512,1024,2048,4096")
+    cpu.add_argument("--isa", help="auto, or one of kernels.cpu_attention.supported_isas() "
+                     "(default: $MINI_INFER_CPU_ISA, else auto)")
+    cpu.add_argument("--rounds", type=int, default=5, help="timed calls per combination")
+    cpu.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
+    cpu.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                     help="time by the wall clock, or (with --threads 1) the thread's CPU time, which leaves out "
+                          "waits for a core on a shared host")
+    cpu.add_argument("--no-prefill", action="store_true", help="decode only")
+    cpu.add_argument("--out", type=Path, help="JSON path (default results/..., git-ignored)")
     args = parser.parse_args(argv)
 
+    if args.command == "cpu":
+        sys.path.insert(0, str(REPO))  # run as a script: make `kernels` importable
+        import kernel_bench_cpu
+
+        return kernel_bench_cpu.main(args)
     import torch
 
     if not torch.cuda.is_available():

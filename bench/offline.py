@@ -4,7 +4,10 @@
 
 Systems, same model, dtype and device, one after the other in this process:
 
-- ``mini-infer``: ``LLM.generate`` on every request at once (continuous batching).
+- ``mini-infer``: ``LLM.generate`` on every request at once (continuous batching), with
+  prefix caching (the default), from an empty cache.
+- ``mini-infer-no-prefix-caching``: the same with ``enable_prefix_caching=False``. With
+  ``--repeats N`` the two alternate N times and each reports its median run.
 - ``hf-static-B``: transformers ``generate()`` on static batches of B requests in arrival
   order, left-padded, each batch run to its longest ``max_tokens``; only each request's own
   ``max_tokens`` count as output.
@@ -12,6 +15,9 @@ Systems, same model, dtype and device, one after the other in this process:
   with each request's ``max_tokens``.
 
 Every request is greedy and ignores EOS, so all systems produce the same number of tokens.
+Fields of a workload's requests other than ``prompt_token_ids`` and ``max_tokens`` (such as
+w3_shared_prefix's ``prefix_id``) are ignored. ``--batch-sizes "" --skip-continuous`` runs
+only mini-infer's two systems.
 All requests arrive at t = 0: TTFT is measured from the start of the run. The result JSON
 also gives the machine's measured matmul rate and the workload's FLOPs, so that each
 throughput is a fraction of the compute roofline.
@@ -40,8 +46,27 @@ STALL_TIMEOUT_S = 900  # seconds without a result before hf-continuous counts as
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def run_mini_infer(model: str, dtype: str, device: str, requests: list[dict]) -> dict:
-    llm = LLM(model=model, dtype=dtype, device=device)
+MINI_INFER = {"mini-infer": True, "mini-infer-no-prefix-caching": False}  # system -> enable_prefix_caching
+
+
+def run_mini_infer_systems(model: str, dtype: str, device: str, requests: list[dict], repeats: int) -> list[dict]:
+    """mini-infer with prefix caching on and off, alternating ``repeats`` times; per system
+    its run of median output tok/s, with every run's throughput and TTFT p50 beside it."""
+    runs: dict[str, list[dict]] = {system: [] for system in MINI_INFER}
+    for _ in range(repeats):
+        for system, enable_prefix_caching in MINI_INFER.items():
+            runs[system].append(run_mini_infer(system, model, dtype, device, requests, enable_prefix_caching))
+    results = []
+    for system_runs in runs.values():
+        median = sorted(system_runs, key=lambda r: r["output_tokens_per_s"])[(len(system_runs) - 1) // 2]
+        results.append({**median, "runs_output_tokens_per_s": [r["output_tokens_per_s"] for r in system_runs],
+                        "runs_ttft_p50_s": [r["ttft_s"]["p50"] for r in system_runs]})
+    return results
+
+
+def run_mini_infer(system: str, model: str, dtype: str, device: str, requests: list[dict],
+                   enable_prefix_caching: bool = True) -> dict:
+    llm = LLM(model=model, dtype=dtype, device=device, enable_prefix_caching=enable_prefix_caching)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]
     with PeakMemory(device).measure() as memory:
@@ -56,8 +81,10 @@ def run_mini_infer(model: str, dtype: str, device: str, requests: list[dict]) ->
             tpot.append((m.last_token_time - m.first_token_time) / (n - 1))
     stats = llm.llm_engine.stats()
     del llm
-    return _summary("mini-infer", requests, seconds, ttft, tpot, memory,
-                    num_preemptions=stats["num_preemptions"])
+    return _summary(system, requests, seconds, ttft, tpot, memory, num_preemptions=stats["num_preemptions"],
+                    prefix_cache_queries=stats["prefix_cache_queries"],
+                    prefix_cache_hits=stats["prefix_cache_hits"],
+                    prefix_cache_hit_rate=round(stats["prefix_cache_hit_rate"], 4))
 
 
 def load_hf(model: str, dtype: str, device: str):
@@ -172,6 +199,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="8,16,32", help="transformers static batch sizes")
     parser.add_argument("--skip-continuous", action="store_true", help="skip transformers' CB")
     parser.add_argument("--quick", action="store_true", help="8 short requests (CI)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each mini-infer system, alternating (the median is reported)")
     parser.add_argument("--out", type=Path, help="result JSON (default results/..., git-ignored)")
     args = parser.parse_args()
 
@@ -185,9 +214,10 @@ def main() -> None:
     if args.dtype != "float32":
         rates["float32"] = matmul_flops_per_s(torch.float32, args.device)
     rate = max(rates.values())
-    systems = [run_mini_infer(args.model, args.dtype, args.device, requests)]
-    hf = load_hf(args.model, args.dtype, args.device)
-    for batch_size in [int(b) for b in args.batch_sizes.split(",") if b]:
+    systems = run_mini_infer_systems(args.model, args.dtype, args.device, requests, args.repeats)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    hf = load_hf(args.model, args.dtype, args.device) if batch_sizes or not args.skip_continuous else None
+    for batch_size in batch_sizes:
         systems.append(run_hf_static(hf, requests, batch_size, args.device))
     if not args.skip_continuous:
         systems.append(_try(lambda: run_hf_continuous(hf, requests, args.device), "hf-continuous"))
@@ -216,8 +246,10 @@ def _try(run, system: str) -> dict:
 def _ratios(systems: list[dict]) -> dict:
     ours = systems[0]["output_tokens_per_s"]
     static = [s for s in systems if s["system"].startswith("hf-static") and "seconds" in s]
-    baselines = [s for s in systems[1:] if "seconds" in s]
-    out = {}
+    baselines = [s for s in systems[2:] if "seconds" in s]
+    off = systems[1]
+    out = {"prefix_caching_throughput_ratio": round(ours / off["output_tokens_per_s"], 3),
+           "prefix_caching_ttft_p50_ratio": round(off["ttft_s"]["p50"] / systems[0]["ttft_s"]["p50"], 3)}
     if static:
         best = max(static, key=lambda s: s["output_tokens_per_s"])
         out.update(best_static=best["system"], ratio_vs_best_static=round(ours / best["output_tokens_per_s"], 2))
@@ -231,15 +263,17 @@ def _print(result: dict, path: Path) -> None:
     print(f"{result['workload']}: {result['num_requests']} requests, {result['model']}, "
           f"{result['dtype']} on {result['device']}; matmul roof {result['matmul_flops_per_s'] / 1e9:.0f} "
           f"GFLOP/s, workload {result['workload_flops'] / 1e12:.2f} TFLOP")
-    print(f"{'system':<16}{'out tok/s':>10}{'total tok/s':>12}{'TTFT p50 s':>11}{'TPOT p50 ms':>12}"
+    print(f"{'system':<30}{'out tok/s':>10}{'total tok/s':>12}{'TTFT p50 s':>11}{'TPOT p50 ms':>12}"
           f"{'peak GiB':>9}{'roofline':>9}")
     for s in result["systems"]:
         if "error" in s:
-            print(f"{s['system']:<16} failed: {s['error']}")
+            print(f"{s['system']:<30} failed: {s['error']}")
             continue
-        print(f"{s['system']:<16}{s['output_tokens_per_s']:>10.1f}{s['total_tokens_per_s']:>12.1f}"
+        print(f"{s['system']:<30}{s['output_tokens_per_s']:>10.1f}{s['total_tokens_per_s']:>12.1f}"
               f"{s['ttft_s'].get('p50', float('nan')):>11.2f}{1000 * s['tpot_s'].get('p50', float('nan')):>12.1f}"
               f"{s['peak_memory_gib']:>9.2f}{100 * s['roofline_fraction']:>8.1f}%")
+    print(f"prefix caching on / off: output tok/s {result['prefix_caching_throughput_ratio']:.2f}x, "
+          f"TTFT p50 {result['prefix_caching_ttft_p50_ratio']:.2f}x lower")
     if "ratio_vs_best_static" in result:
         print(f"mini-infer / {result['best_static']}: {result['ratio_vs_best_static']:.2f}x; "
               f"/ {result['best_baseline']}: {result['ratio_vs_best_baseline']:.2f}x")
@@ -253,15 +287,22 @@ def _plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     systems = [s for s in result["systems"] if "seconds" in s]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    bars = ax.bar([s["system"] for s in systems], [s["output_tokens_per_s"] for s in systems],
-                  color=["tab:green"] + ["tab:gray"] * (len(systems) - 1))
+    names = [s["system"].replace("-no-", "\nno-") for s in systems]
+    colors = ["tab:green", "tab:olive"] + ["tab:gray"] * (len(systems) - 2)
+    fig, (ax, ttft) = plt.subplots(1, 2, figsize=(11, 3.8), width_ratios=(3, 2))
+    bars = ax.bar(names, [s["output_tokens_per_s"] for s in systems], color=colors)
     for bar, s in zip(bars, systems, strict=True):
-        ax.annotate(f"{s['output_tokens_per_s']:.0f}\n({100 * s['roofline_fraction']:.0f}% roof)",
+        ax.annotate(f"{s['output_tokens_per_s']:.1f}\n({100 * s['roofline_fraction']:.0f}% roof)",
                     (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"{result['workload']}: {result['model']}, {result['dtype']}, {result['device']}", fontsize=9)
     ax.margins(y=0.25)
+    ax.tick_params(axis="x", labelsize=7)
+    bars = ttft.bar(names, [s["ttft_s"]["p50"] for s in systems], color=colors)
+    ttft.bar_label(bars, fmt="%.1f", fontsize=8)
+    ttft.set_ylabel("TTFT p50, s (all arrive at t = 0)")
+    ttft.margins(y=0.2)
+    ttft.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -140,14 +140,21 @@ async def bench_direct(model: str, requests, rates, seed, slo) -> dict:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def server_parser(description: str) -> argparse.ArgumentParser:
+    """The options of a benchmark against the running service: ``--workload``, ``--url``,
+    ``--model``, ``--num-requests``, ``--seed``."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--workload", type=Path, required=True)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--request-rates", default="0.5,1,inf")
     parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main() -> None:
+    parser = server_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--request-rates", default="0.5,1,inf")
     parser.add_argument("--slo-ttft-s", type=float, default=5.0)
     parser.add_argument("--slo-tpot-s", type=float, default=0.5)
     parser.add_argument("--skip-direct", action="store_true")

@@ -1,16 +1,20 @@
-"""Command line: ``python -m engine generate --prompt "..."`` or ``--workload FILE.json``.
+"""Command line: ``python -m engine generate --prompt "..."`` or ``--workload FILE.json``;
+``--dashboard-port PORT`` serves the live dashboard of the run (``app.dashboard``).
 
 A workload file is the format of ``shared/workloads/*.json``: ``{"requests": [{"id",
-"prompt_token_ids", "max_tokens"}, ...]}``, generated greedily with ``ignore_eos``.
+"prompt_token_ids", "max_tokens"}, ...]}``, generated greedily with ``ignore_eos``; other
+fields of a request (w3_shared_prefix's ``prefix_id``) are ignored.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 import typing
 from pathlib import Path
+from typing import Iterator
 
 from engine.config import engine_args
 from engine.llm import LLM
@@ -30,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--json-out", type=Path, help="also write the workload summary here")
+    gen.add_argument("--dashboard-port", type=int, default=None,
+                     help="serve the live dashboard (KV blocks, queues, tokens/s) at "
+                     "http://127.0.0.1:PORT/dashboard while generating")
     add_engine_args(gen.add_argument_group("engine", "settings of engine.config, by field name"))
     return parser
 
@@ -52,6 +59,26 @@ def _base_type(annotation) -> type:
     """``int | None`` -> ``int``."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     return args[0] if args else annotation
+
+
+@contextlib.contextmanager
+def _dashboard(llm: LLM, port: int | None) -> Iterator[LLM]:
+    """Serve ``app.dashboard``'s page for ``llm`` on ``port`` for the ``with`` block (nothing
+    when ``port`` is ``None``)."""
+    if port is None:
+        yield llm
+        return
+    from app.dashboard import OfflineDashboard  # only here: the engine runs without the app
+
+    try:
+        dashboard = OfflineDashboard(llm, port)
+    except OSError as exc:
+        raise SystemExit(f"--dashboard-port: cannot listen on 127.0.0.1:{port}: {exc.strerror}") from None
+    print(f"dashboard: {dashboard.url}", file=sys.stderr, flush=True)
+    try:
+        yield llm
+    finally:
+        dashboard.close()
 
 
 def _build_llm(args) -> LLM:
@@ -79,29 +106,37 @@ def run_workload(llm: LLM, path: Path) -> dict:
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    stats = llm.llm_engine.stats()
     return {"workload": path.name, "requests": len(outputs), "output_tokens": output_tokens,
             "prompt_tokens": sum(len(p) for p in prompts), "seconds": round(seconds, 3),
             "output_tokens_per_s": round(output_tokens / seconds, 2),
             "dtype": str(llm.llm_engine.model_runner.dtype).removeprefix("torch."),
             "device": str(llm.llm_engine.model_runner.device),
             "attention_backend": llm.llm_engine.model_runner.backend,
-            "num_preemptions": llm.llm_engine.stats()["num_preemptions"]}
+            "num_preemptions": stats["num_preemptions"],
+            "enable_prefix_caching": llm.llm_engine.config.cache.enable_prefix_caching,
+            "num_cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
+            "prefix_cache_hit_rate": round(stats["prefix_cache_hit_rate"], 4)}
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
+    if args.dashboard_port is not None and not 0 <= args.dashboard_port <= 65535:
+        raise SystemExit(f"--dashboard-port: {args.dashboard_port} is not a TCP port (0 to 65535)")
     if args.prompt is not None:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens)  # bad values fail before loading
-        run_prompt(_build_llm(args), args, params)
+        with _dashboard(_build_llm(args), args.dashboard_port) as llm:
+            run_prompt(llm, args, params)
         return
     if not args.workload.is_file():
         raise SystemExit(f"--workload: no such file: {args.workload}")
-    llm = _build_llm(args)
-    summary = run_workload(llm, args.workload)
+    with _dashboard(_build_llm(args), args.dashboard_port) as llm:
+        summary = run_workload(llm, args.workload)
     print(f"requests: {summary['requests']}  output tokens: {summary['output_tokens']}  "
           f"seconds: {summary['seconds']:.2f}  output tokens/s: {summary['output_tokens_per_s']:.1f}  "
-          f"({summary['dtype']}, {summary['device']}, attention {summary['attention_backend']})")
+          f"({summary['dtype']}, {summary['device']}, attention {summary['attention_backend']}, "
+          f"prefix cache hits {summary['num_cached_tokens']} tokens)")
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(summary, indent=2) + "\n")

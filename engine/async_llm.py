@@ -21,6 +21,7 @@ from engine.errors import EngineDeadError, RequestFailedError
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.snapshot import SnapshotChannel
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class AsyncLLM:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self._dead: BaseException | None = None
+        self.snapshots = SnapshotChannel(self.engine, on_request=self._wakeup.set)
         self._thread = threading.Thread(target=self._run_loop, name="engine-step-loop", daemon=True)
         self._thread.start()
 
@@ -102,7 +104,7 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine step loop has stopped: {self._dead!r}")
 
     async def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
-                          continue_final_message: bool = False) -> dict:
+                          continue_final_message: bool = False, tools: list[dict] | None = None) -> dict:
         """``LLMEngine.chat_prompt`` on a worker thread (the tokenizer is read-only: safe
         beside the loop): ``{"prompt": text, "prompt_token_ids": ids}`` for ``generate``.
 
@@ -110,7 +112,7 @@ class AsyncLLM:
             ValueError: as ``LLMEngine.chat_prompt``.
         """
         return await self._on_worker(self.engine.chat_prompt, conversation,
-                                     add_generation_prompt, continue_final_message)
+                                     add_generation_prompt, continue_final_message, tools)
 
     async def _on_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizers, fn, *args)
@@ -118,6 +120,11 @@ class AsyncLLM:
     def stats(self) -> dict:
         """The engine's counters (read without locking; each value is a plain int or float)."""
         return self.engine.stats()
+
+    async def snapshot(self) -> dict:
+        """``engine.snapshot.engine_snapshot``, taken by the step loop between two steps
+        (within one step's time; at once while the loop is idle)."""
+        return await asyncio.wrap_future(self.snapshots.request())
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; pending and later calls fail with ``EngineDeadError``."""
@@ -136,14 +143,16 @@ class AsyncLLM:
 
     def _run_loop(self) -> None:
         try:
-            while not self._stopping:
-                self._wakeup.clear()
-                self._apply_commands()
-                if not self.engine.has_unfinished_requests():
-                    self._wakeup.wait()
-                    continue
-                for output in self.engine.step():
-                    self._publish(output.request_id, output)
+            with self.snapshots.driving():
+                while not self._stopping:
+                    self._wakeup.clear()
+                    self._apply_commands()
+                    self.snapshots.serve()
+                    if not self.engine.has_unfinished_requests():
+                        self._wakeup.wait()
+                        continue
+                    for output in self.engine.step():
+                        self._publish(output.request_id, output)
             self._dead = EngineDeadError("the engine was shut down")
         except BaseException as exc:  # noqa: BLE001 - report, then fail every waiter
             logger.exception("engine step loop died")

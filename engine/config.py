@@ -52,6 +52,9 @@ class CacheConfig:
     num_gpu_blocks: int | None = setting(
         None, "Exactly this many KV blocks, whatever the memory settings (vLLM's "
         "num_gpu_blocks_override; tests use it to force preemption).")
+    enable_prefix_caching: bool = setting(
+        True, "Reuse the KV blocks of earlier requests whose prompts start with the same "
+        "tokens (automatic prefix caching, as vLLM's setting of the same name).")
 
     def __post_init__(self) -> None:
         _check_choice(self, "block_size")

@@ -12,6 +12,7 @@ from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.snapshot import SnapshotChannel
 
 
 class LLM:
@@ -35,9 +36,17 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self._counter = itertools.count()
+        # the dashboard's view (``python -m engine generate --dashboard-port``): snapshots
+        # taken between steps while ``generate`` runs, at once otherwise
+        self.snapshots = SnapshotChannel(self.llm_engine)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (``LLMEngine.reset_prefix_cache``)."""
+        with self.snapshots.driving():
+            return self.llm_engine.reset_prefix_cache()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -64,8 +73,9 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
                              f"{len(prompts)} prompts")
-        request_ids = self._add_requests(prompts, sampling_params)
-        return self._run(request_ids, use_tqdm)
+        with self.snapshots.driving():  # from the first add: snapshots are taken between steps
+            request_ids = self._add_requests(prompts, sampling_params)
+            return self._run(request_ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -98,6 +108,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while engine.has_unfinished_requests():
+                self.snapshots.serve()
                 for output in engine.step():
                     if output.error is not None:
                         for request_id in request_ids:

@@ -13,11 +13,13 @@ from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.tool_calls import conversation_for_template, conversation_with_tools, template_takes_tools
 
 logger = logging.getLogger(__name__)
 
 # A prompt: text, token ids, or {"prompt": text, "prompt_token_ids": ids} (vLLM's forms).
 PromptType = str | list[int] | dict
+_COMPILE_POLL_S = 0.02  # how long a step with nothing to run waits for a grammar compile
 
 # Unicode normalization can merge characters before tokenization: NFC composes at most 4
 # code points into one (a canonical decomposition is at most 4 long, Unicode's UAX #15).
@@ -51,14 +53,18 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_id = _eos_token_id(loaded)
         self.model_runner = ModelRunner(config, loaded)
-        self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size)
+        self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size,
+                                          enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._structured_outputs = None  # StructuredOutputManager, made on the first constrained request
+        self._compiling: list[Request] = []  # added requests whose grammar was still compiling
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, sched.max_model_len)
-        logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention %s",
-                    config.model, self.model_runner.dtype, self.model_runner.device,
+        self.num_generation_tokens = 0  # tokens sampled by every step so far
+        logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention %s, "
+                    "prefix caching %s", config.model, self.model_runner.dtype, self.model_runner.device,
                     self.block_manager.num_blocks, self.block_manager.block_size,
-                    self.model_runner.backend)
+                    self.model_runner.backend, "on" if config.cache.enable_prefix_caching else "off")
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -72,8 +78,9 @@ class LLMEngine:
             ValueError: naming the field and limit, for an empty prompt, a token id outside
                 the vocabulary (prompt, ``logit_bias``, ``stop_token_ids``), a prompt plus
                 ``max_tokens`` over ``max_model_len``, more KV blocks than the pool, ``n``
-                over ``max_num_seqs``, text or stop strings without a tokenizer, or a
-                duplicate ``request_id``.
+                over ``max_num_seqs``, text or stop strings without a tokenizer, an invalid
+                ``structured_outputs`` schema, regex or grammar (naming
+                ``structured_outputs.<field>``), or a duplicate ``request_id``.
         """
         params = sampling_params or SamplingParams()
         processed = self.process_prompt(prompt)
@@ -84,14 +91,32 @@ class LLMEngine:
         if params.min_tokens > max_tokens:
             raise InvalidRequestError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} "
                                       f"tokens max_model_len ({max_len}) leaves for output", "min_tokens")
+        grammar = self._grammar(params)
         request = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
                           sampling_params=params, eos_token_id=self.eos_token_id,
-                          max_tokens=max_tokens)
+                          max_tokens=max_tokens, grammar=grammar)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)
+        if not request.is_ready:
+            self._compiling.append(request)
         return request
+
+    def _grammar(self, params: SamplingParams):
+        """Sequence 0's matcher for ``params.structured_outputs`` (its compile submitted to
+        the worker thread), ``None`` without a constraint."""
+        if params.structured_outputs is None:
+            return None
+        if self._structured_outputs is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"structured_outputs: model {self.config.model!r} has no "
+                                          "tokenizer to build a grammar over", "structured_outputs")
+            from engine.structured_outputs import StructuredOutputManager  # imports xgrammar (~1 s)
+
+            self._structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                               self.eos_token_id)
+        return self._structured_outputs.grammar(params.structured_outputs)
 
     def process_prompt(self, prompt: PromptType) -> dict:
         """Tokenize and check a prompt: ``{"prompt": text or None, "prompt_token_ids": ids}``.
@@ -151,7 +176,7 @@ class LLMEngine:
                                       "prompt" if field_name == "prompt_token_ids" else field_name)
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> dict:
+                    continue_final_message: bool = False, tools: list[dict] | None = None) -> dict:
         """A conversation through the tokenizer's chat template:
         ``{"prompt": text, "prompt_token_ids": ids}``. Thread-safe as ``process_prompt``; a
         conversation that cannot fit is refused before templating.
@@ -162,6 +187,10 @@ class LLMEngine:
             continue_final_message: leave the last message open (no end-of-turn token), so
                 that the model continues it (vLLM's semantics: it excludes
                 ``add_generation_prompt``).
+            tools: function definitions (``name``, ``description``, ``parameters``) the
+                model may call: rendered by the template if it takes ``tools``, else as
+                Hermes-style instructions in the system message (``engine.tool_calls``).
+                Messages may carry ``tool_calls`` (assistant) and be tool results.
 
         Raises:
             ContextLengthExceededError: naming ``messages``: more messages than
@@ -183,10 +212,14 @@ class LLMEngine:
                 "tokens (each message takes at least one)", "messages")
         self._check_num_chars(sum(len(m["content"]) for m in conversation
                                   if isinstance(m.get("content"), str)), "messages")
+        if template_takes_tools(self.tokenizer.chat_template):
+            conversation, options = conversation_for_template(conversation), {"tools": tools}
+        else:
+            conversation, options = conversation_with_tools(conversation, tools), {}
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=False)
+                continue_final_message=continue_final_message, tokenize=False, **options)
         except ValueError as exc:  # transformers: the last message cannot be left open
             raise InvalidRequestError(f"continue_final_message: {exc}", "continue_final_message") from None
         return self.process_prompt({"prompt": text,
@@ -222,6 +255,17 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block, so that later requests recompute their prompts
+        (e.g. between benchmark runs). Blocks that running requests hold stay theirs, no
+        longer shareable. Always succeeds here (vLLM's returns False while requests run).
+
+        Returns:
+            True.
+        """
+        self.block_manager.reset_prefix_cache()
+        return True
+
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -234,9 +278,12 @@ class LLMEngine:
             Outputs of the requests that produced a token or finished, in the form their
             ``SamplingParams.output_kind`` asks for.
         """
+        self._check_compiles()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
-            return []
+            if self._compiling:  # only grammars compiling: wait for one rather than spin
+                self._compiling[0].grammar.wait(_COMPILE_POLL_S)
+            return self.output_processor.make_outputs()
         try:
             runner_output = self.model_runner.execute(scheduler_output)
         except Exception as exc:  # noqa: BLE001 - the loop must outlive any one batch
@@ -246,10 +293,33 @@ class LLMEngine:
             self._finish_requests(request_ids, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}")
             return self.output_processor.make_outputs()
         for sequence, token in self.scheduler.update(scheduler_output, runner_output):
+            if sequence.grammar is not None and not sequence.grammar.accept(token.token_id):
+                self._fail_sequence(sequence, f"structured_outputs: the grammar does not allow the "
+                                              f"sampled token {token.token_id}")
+            self.num_generation_tokens += 1
             stop = self.output_processor.add_token(sequence, token)
             if stop is not None:
                 self._stop_at_string(sequence, stop)
         return self.output_processor.make_outputs()
+
+    def _check_compiles(self) -> None:
+        """Forget requests whose grammar compile has finished; fail those where it failed."""
+        still = []
+        for request in self._compiling:
+            if request.status.is_finished:
+                continue  # aborted while compiling
+            if not request.is_ready:
+                still.append(request)
+            elif request.grammar.error is not None:
+                self._finish_requests([request.request_id], RequestStatus.FINISHED_ERROR,
+                                      request.grammar.error)
+        self._compiling = still
+
+    def _fail_sequence(self, sequence: Request, error: str) -> None:
+        logger.error("request %s: %s", sequence.request_id, error)
+        if not sequence.status.is_finished:
+            self.scheduler.finish_request(sequence.seq_id, RequestStatus.FINISHED_ERROR)
+        sequence.error = error
 
     def _stop_at_string(self, sequence: Request, stop: str) -> None:
         """End a sequence whose new token completed the stop string ``stop``.
@@ -279,16 +349,31 @@ class LLMEngine:
     # ---- introspection -------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """Counters for tests, logs and metrics."""
-        total = self.block_manager.num_blocks
-        free = self.block_manager.num_free_blocks
+        """Counters for tests, logs and metrics.
+
+        ``num_free_blocks`` counts free blocks that still hold a cached prefix
+        (``num_free_cached_blocks`` of them): they are evicted when taken.
+        ``prefix_cache_queries`` and ``prefix_cache_hits`` are tokens: of the requests
+        taken from the waiting queue (a preempted one is looked up again), and of those the
+        ones found in the cache; ``prefix_cache_hit_rate`` is their ratio (0 before any).
+        ``num_generation_tokens`` counts the tokens sampled since the engine started.
+        """
+        bm, sched = self.block_manager, self.scheduler
+        total, free = bm.num_blocks, bm.num_free_blocks
+        queries, hits = sched.prefix_cache_queries, sched.prefix_cache_hits
         return {
             "num_total_blocks": total,
             "num_free_blocks": free,
             "kv_cache_usage": (total - free) / total,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "num_preemptions": sched.num_preemptions,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "num_cached_blocks": bm.num_cached_blocks,
+            "num_free_cached_blocks": bm.num_free_cached_blocks,
+            "num_generation_tokens": self.num_generation_tokens,
         }
 
 

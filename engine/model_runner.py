@@ -99,9 +99,14 @@ class ModelRunner:
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = hf.num_key_value_heads
         self.head_dim = head_dim_of(hf)
+        if self.backend == "cpu":  # which kernels run; a $MINI_INFER_CPU_ISA this CPU lacks fails here
+            from kernels import cpu_attention
+
+            logger.info("CPU attention: the %s kernels", cpu_attention.selected_isa(self.head_dim))
         self.vocab_size = hf.vocab_size
         self.model = self._build_model(loaded)
         self.sampler = Sampler(self.device, config.seed)
+        self._grammar_bitmask = None  # GrammarBitmask, from the first constrained step on
         self.num_blocks = self._num_kv_blocks(cuda_start)
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
         self.kv_caches = _per_layer(self.kv_cache)
@@ -220,14 +225,26 @@ class ModelRunner:
         scheduled = [scheduler_output.scheduled[i] for i in batch.sample_rows]
         # A forking sequence's logits row is drawn from once per sequence of its request.
         repeats = [s.num_samples for s in scheduled]
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        logits = logits.repeat_interleave(torch.tensor(repeats, device=self.device), dim=0)
         rows = [s.sampling_row if j == 0 else
                 dataclasses.replace(s.sampling_row, seq_index=s.sampling_row.seq_index + j)
                 for s in scheduled for j in range(s.num_samples)]
-        tokens = iter(self.sampler(logits, rows))
+        # Host work while a GPU still runs the forward (its kernels are queued, not done).
+        grammar_bitmask = self._fill_grammar_bitmask(rows)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits = logits.repeat_interleave(torch.tensor(repeats, device=self.device), dim=0)
+        tokens = iter(self.sampler(logits, rows, grammar_bitmask))
         return ModelRunnerOutput({s.seq_id: [next(tokens) for _ in range(s.num_samples)]
                                   for s in scheduled})
+
+    def _fill_grammar_bitmask(self, rows: list[SamplingRow]):
+        """The structured-outputs bitmasks of the constrained rows (``None`` if none is)."""
+        if self._grammar_bitmask is None:
+            if all(row.grammar is None for row in rows):
+                return None
+            from engine.structured_outputs import GrammarBitmask  # xgrammar: only once needed
+
+            self._grammar_bitmask = GrammarBitmask(self.vocab_size, self.device)
+        return self._grammar_bitmask.fill(rows)
 
     def _copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks ``src -> dst`` in every layer (copy-on-write of forks)."""

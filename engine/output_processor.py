@@ -118,7 +118,8 @@ class OutputProcessor:
         return RequestOutput(request_id=state.request_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=completions,
                              finished=finished, metrics=state.metrics,
-                             error=next((s.error for s in state.sequences.values() if s.error), None))
+                             error=next((s.error for s in state.sequences.values() if s.error), None),
+                             num_cached_tokens=first.num_cached_tokens)
 
     def _pop_delta(self, state: RequestState, index: int) -> str:
         detokenizer = state.detokenizers.get(index)

@@ -73,6 +73,8 @@ class RequestOutput:
         finished: whether the request is done (all its sequences).
         metrics: arrival, first-token and last-token times.
         error: why the engine failed the request, if it did.
+        num_cached_tokens: prompt tokens whose K/V came from the prefix cache when the
+            request was first scheduled (``None`` before that).
     """
 
     request_id: str
@@ -82,6 +84,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
+    num_cached_tokens: int | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Append ``later``, the next delta of the same request, to this one (vLLM's

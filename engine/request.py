@@ -4,10 +4,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.outputs import SampleLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SamplingRow
+
+if TYPE_CHECKING:
+    from engine.structured_outputs import SequenceGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -44,7 +48,13 @@ class Request:
     A request with ``n > 1`` starts as its sequence 0; when its prompt is done the scheduler
     forks sequences 1..n-1, which share the prompt's KV blocks. ``num_computed_tokens``
     counts the leading tokens of prompt + output whose K/V are in the cache; preemption (by
-    recompute) resets it to 0, keeping the output so far.
+    recompute) resets it to 0, keeping the output so far (and ``grammar``'s position, which
+    follows the output).
+
+    With prefix caching, ``block_hashes`` holds the hashes of its full blocks (prompt and
+    output, extended by the scheduler as tokens come), and ``num_cached_tokens`` the prompt
+    tokens found in the cache when it was first scheduled (``None`` before that).
+    ``num_preemptions`` counts the times this sequence was preempted.
     """
 
     request_id: str
@@ -57,19 +67,29 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
     num_forks_pending: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     error: str | None = None
     output_logprobs: SampleLogprobs = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    grammar: SequenceGrammar | None = None  # structured outputs: this sequence's matcher
     sampling_row: SamplingRow = field(init=False)
 
     def __post_init__(self) -> None:
         # The sampler's view of this sequence; its lists are this request's own, so it
         # stays current as tokens are appended.
         self.sampling_row = SamplingRow(self.sampling_params, self.prompt_token_ids,
-                                        self.output_token_ids, self.index, self.eos_token_id)
+                                        self.output_token_ids, self.index, self.eos_token_id,
+                                        self.grammar)
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether it can be scheduled: no grammar, or its grammar's compile has finished."""
+        return self.grammar is None or self.grammar.is_ready()
 
     @property
     def seq_id(self) -> str:

@@ -1,17 +1,20 @@
 """Logits to tokens, vectorised over the batch with per-row parameters.
 
-The order of processing, per row, is ``SamplingParams``'s docstring: logit bias, the
-``min_tokens`` mask, repetition then presence/frequency penalties, logprobs, then greedy
+The order of processing, per row, is ``SamplingParams``'s docstring: the structured-outputs
+token bitmask, logit bias, the ``min_tokens`` mask, repetition then presence/frequency penalties, logprobs, then greedy
 argmax or temperature, top-k/top-p/min-p truncation and a draw.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SampledToken, SamplingRow
+
+if TYPE_CHECKING:
+    from engine.structured_outputs import StepBitmask
 
 
 def request_generator(seed: int, seq_index: int, token_index: int, device: torch.device) -> torch.Generator:
@@ -36,15 +39,20 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator(self.device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 grammar_bitmask: StepBitmask | None = None) -> list[SampledToken]:
         """Process ``logits`` and draw one token per row.
 
         Args:
             logits: ``[num_rows, vocab_size]`` fp32; modified in place.
+            grammar_bitmask: the constrained rows' token bitmasks
+                (``engine.structured_outputs.GrammarBitmask.fill``), if any row has one.
 
         Returns:
             One ``SampledToken`` per row, with logprobs where the row's params ask for them.
         """
+        if grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, grammar_bitmask)
         params = [r.params for r in rows]
         apply_logit_bias(logits, params)
         apply_min_tokens(logits, rows)
@@ -117,6 +125,15 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
 
 # ---- logits processors (in place, on [num_rows, vocab_size] fp32) ---------------------------
 
+def apply_grammar_bitmask(logits: torch.Tensor, grammar_bitmask: StepBitmask) -> None:
+    """Set to -inf, in the constrained rows, every token their grammar forbids: one batched
+    call of xgrammar's kernel (C++ on the CPU, Triton on CUDA) over all those rows."""
+    import xgrammar  # loaded already: the bitmask came from it
+
+    xgrammar.apply_token_bitmask_inplace(logits, grammar_bitmask.bitmask, indices=grammar_bitmask.indices,
+                                         vocab_size=logits.shape[-1])
+
+
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     """Add each row's ``logit_bias`` (token id -> bias)."""
     for i, p in enumerate(params):
@@ -126,12 +143,14 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Forbid EOS (unless ``ignore_eos``) and ``stop_token_ids`` until ``min_tokens`` exist."""
+    """Forbid EOS (unless ``ignore_eos``, or a grammar decides where EOS may come) and
+    ``stop_token_ids`` until ``min_tokens`` exist."""
     for i, row in enumerate(rows):
         p = row.params
         if len(row.output_token_ids) < p.min_tokens:
             stops = list(p.stop_token_ids)
-            if row.eos_token_id is not None and not p.ignore_eos:
+            constrained = row.grammar is not None and row.grammar.is_active
+            if row.eos_token_id is not None and not p.ignore_eos and not constrained:
                 stops.append(row.eos_token_id)
             logits[i, stops] = float("-inf")
 

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from engine.errors import InvalidRequestError, excerpt
 
@@ -25,11 +26,82 @@ def _check(ok: bool, name: str, allowed: str, value) -> None:
         raise InvalidRequestError(f"{name} must be {allowed}; got {excerpt(value)}", param=name)
 
 
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's ``StructuredOutputsParams``): exactly one of the
+    constraint fields. The output is decoded through an xgrammar matcher
+    (``engine.structured_outputs``), so every sequence matches the constraint unless it is
+    cut short by ``max_tokens`` or a stop string.
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text): the output is one JSON value that
+            validates against it (no properties beyond those the schema lists).
+        regex: the output matches this regular expression as a whole.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar in xgrammar's (GBNF-like) syntax with a rule ``root``.
+        json_object: the output is one JSON object (OpenAI's JSON mode).
+        structural_tag: an xgrammar structural tag, as JSON text (``{"type":
+            "structural_tag", "format": {...}}``): text with tagged, schema-checked parts.
+        disable_any_whitespace: JSON (``json``, ``json_object``) without whitespace between
+            tokens of the syntax; by default any whitespace is allowed there.
+
+    Raises:
+        InvalidRequestError: (a ``ValueError``) on construction, naming the field, unless
+            exactly one constraint is set and it has the right type. Whether a schema,
+            regex or grammar is valid is checked when the request is added
+            (``LLMEngine.add_request``).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        _check(len(given) == 1, "structured_outputs",
+               f"exactly one of {', '.join(_CONSTRAINTS)}", given or None)
+        kind = given[0]
+        value = getattr(self, kind)
+        types = {"json": (str, dict), "regex": str, "grammar": str, "structural_tag": str,
+                 "json_object": bool, "choice": list}
+        _check(isinstance(value, types[kind]), f"structured_outputs.{kind}",
+               {"json": "a JSON schema (an object or its JSON text)", "json_object": "true",
+                "choice": "a list of strings"}.get(kind, "a string"), value)
+        if kind == "choice":
+            _check(bool(value) and all(isinstance(c, str) for c in value), "structured_outputs.choice",
+                   "a non-empty list of strings", value)
+
+    @property
+    def kind(self) -> str:
+        """The constraint's field name: ``json``, ``regex``, ``choice``, ..."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+    def key(self) -> tuple:
+        """What identifies the compiled grammar: equal keys, equal constraints."""
+        value = getattr(self, self.kind)
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value, sort_keys=True)
+        return self.kind, value, self.disable_any_whitespace
+
+    def __repr__(self) -> str:
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                 if getattr(self, f.name) not in (None, False)]
+        return f"StructuredOutputsParams({', '.join(shown)})"
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request generation settings (vLLM's ``SamplingParams`` names and defaults).
 
-    Logits are processed in this order, per row of the batch: ``logit_bias`` is added;
+    Logits are processed in this order, per row of the batch: the ``structured_outputs``
+    token mask sets every token the constraint forbids to -inf; ``logit_bias`` is added;
     ``min_tokens`` masks EOS and ``stop_token_ids``; ``repetition_penalty``, then
     ``presence_penalty`` and ``frequency_penalty``. ``logprobs`` are taken here (the
     log-softmax of these processed logits, before temperature and truncation, as vLLM
@@ -65,6 +137,14 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of the output text.
         logit_bias: token id -> bias added to its logit, in [-100, 100] (OpenAI's range).
         output_kind: cumulative, delta or final-only outputs (``RequestOutputKind``).
+        structured_outputs: a constraint on the output (``StructuredOutputsParams``):
+            greedy and sampled rows alike pick only tokens it allows, and EOS only where
+            it may end (``min_tokens`` does not hold EOS back there: the constraint
+            decides). With ``ignore_eos``, the tokens after an EOS the constraint allowed
+            are unconstrained.
+        cache_salt: enters the hash of the prompt's first KV block, so that with prefix
+            caching only requests with the same salt share cached blocks (vLLM's name:
+            tenants with different salts never read each other's K/V); a non-empty string.
 
     Raises:
         InvalidRequestError: (a ``ValueError``) naming the field and its allowed range, on
@@ -90,6 +170,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "an integer in [1, 128]", self.n)
@@ -112,6 +194,8 @@ class SamplingParams:
                self.stop_token_ids)
         _check(all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",
                "a map of token id to a bias in [-100, 100]", self.logit_bias)
+        _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
+               "cache_salt", "a non-empty string", self.cache_salt)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -121,6 +205,8 @@ class SamplingParams:
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.top_k == 0:
             self.top_k = -1
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "a StructuredOutputsParams", self.structured_outputs)
 
     @property
     def is_greedy(self) -> bool:

@@ -10,11 +10,22 @@ Each step, in order:
 2. If nothing was preempted, waiting requests are admitted in arrival order while
    ``max_num_seqs``, the token budget ``max_num_batched_tokens`` and the free block count
    allow. A prompt longer than the remaining budget is prefilled in chunks over several steps.
+   A request whose structured-outputs grammar is still compiling (``Request.is_ready``) is
+   passed over, keeping its place, until its compile is done.
 
 Because ``max_num_batched_tokens >= max_num_seqs`` and at most one running request (the last
 admitted) is ever mid-prefill, every running request in the decode phase is scheduled every
 step. A request that could never fit is rejected by ``add_request``; so the oldest request can
 always make progress and the loop never spins.
+
+With prefix caching, a request taken from the waiting queue (new or preempted) starts from
+the longest run of its full blocks found in the cache: its ``num_computed_tokens`` starts
+there, capped so that its last token is computed (its logits are needed), and admission
+counts only the blocks it must newly take (a hit on a free cached block takes that block out
+of the free pool). After each forward, the blocks that became full are offered to the cache.
+A waiting request whose next block another sequence is computing in this very step waits one
+step and finds it cached, rather than computing it twice (a burst of requests with one
+system prompt computes it once).
 
 A request with ``n > 1`` is prefilled once, as its sequence 0. The step that finishes its
 prompt samples ``n`` tokens from the last position; ``update`` then forks sequences 1..n-1,
@@ -25,7 +36,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockHash, BlockManager, hash_block_tokens, root_hash
 from engine.config import SchedulerConfig
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.request import Request, RequestStatus, make_seq_id
@@ -45,6 +56,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # by seq_id
         self._reserved_seq_ids: set[str] = set()  # forks of requests not yet forked
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens of requests looked up at admission
+        self.prefix_cache_hits = 0  # of those, tokens found in the cache
+        self._filling: set[BlockHash] = set()  # hashes of blocks this step fills
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -115,9 +129,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         scheduler_output = SchedulerOutput()
+        self._filling.clear()
         budget = self._schedule_running(scheduler_output, self.config.max_num_batched_tokens)
         if not scheduler_output.preempted_seq_ids:
             self._schedule_waiting(scheduler_output, budget)
+        if self.block_manager.debug_checks:
+            self.block_manager.check_invariants(_written_blocks(scheduler_output, self.block_manager.block_size))
         return scheduler_output
 
     def _schedule_running(self, scheduler_output: SchedulerOutput, budget: int) -> int:
@@ -150,22 +167,61 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+        request.num_preemptions += 1
 
     def _schedule_waiting(self, scheduler_output: SchedulerOutput, budget: int) -> None:
         num_seqs = len(self.running) + sum(r.num_forks_pending for r in self.running)
+        bm = self.block_manager
+        compiling = []  # requests whose grammar is still compiling keep their place
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            num_new = min(request.num_tokens, budget)
+            if not request.is_ready:
+                compiling.append(self.waiting.popleft())
+                continue
             if num_seqs + 1 + request.num_forks_pending > self.config.max_num_seqs:
                 break
-            if not self.block_manager.can_allocate(request.seq_id, num_new):
+            hits, num_cached = self._find_cached_prefix(request)
+            if len(hits) < len(request.block_hashes) and request.block_hashes[len(hits)] in self._filling:
+                break  # another sequence computes its next block in this step: a hit next step
+            num_new = min(request.num_tokens - num_cached, budget)
+            if bm.num_blocks_to_admit(hits, num_cached, num_cached + num_new) > bm.num_free_blocks:
                 break  # arrival order: no one overtakes the head of the queue
             num_seqs += 1 + request.num_forks_pending
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            copy = bm.admit(request.seq_id, hits, num_cached, num_cached + num_new)
+            if copy is not None:
+                scheduler_output.blocks_to_copy.append(copy)
+            self._start_after_cached_prefix(request, num_cached)
             self.running.append(request)
             self._add_scheduled(scheduler_output, request, num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
+
+    def _find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
+        """The cached blocks the request can start from, and how many of its tokens they
+        cover (at most ``num_tokens - 1``: the last token is computed for its logits)."""
+        if not self.block_manager.enable_prefix_caching:
+            return [], 0
+        hits = self.block_manager.find_cached_prefix(self._block_hashes(request))
+        return hits, min(len(hits) * self.block_manager.block_size, request.num_tokens - 1)
+
+    def _start_after_cached_prefix(self, request: Request, num_cached: int) -> None:
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens is None:  # the first admission's, as vLLM reports it
+            request.num_cached_tokens = num_cached
+        if self.block_manager.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        """The hashes of the request's full blocks (prompt and output), extended to its
+        current tokens; block ``i``'s chains block ``i - 1``'s, the first the salt's root."""
+        hashes, size = request.block_hashes, self.block_manager.block_size
+        for index in range(len(hashes), request.num_tokens // size):
+            parent = hashes[-1] if hashes else root_hash(request.sampling_params.cache_salt)
+            hashes.append(hash_block_tokens(parent, request.token_ids_slice(index * size, (index + 1) * size)))
+        return hashes
 
     def _add_scheduled(self, scheduler_output: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
@@ -174,6 +230,9 @@ class Scheduler:
         if copy is not None:
             scheduler_output.blocks_to_copy.append(copy)
         self.block_manager.allocate(request.seq_id, end)
+        if self.block_manager.enable_prefix_caching:
+            size = self.block_manager.block_size
+            self._filling.update(self._block_hashes(request)[start // size:end // size])
         do_sample = end == request.num_tokens
         scheduler_output.scheduled.append(ScheduledRequest(
             seq_id=request.seq_id,
@@ -205,6 +264,9 @@ class Scheduler:
             if request is None:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(scheduled.token_ids)
+            if self.block_manager.enable_prefix_caching:
+                self.block_manager.cache_full_blocks(request.seq_id, self._block_hashes(request),
+                                                     request.num_computed_tokens)
             tokens = runner_output.sampled.get(scheduled.seq_id)
             if not tokens:
                 continue
@@ -212,6 +274,8 @@ class Scheduler:
             for sequence, token in zip(sequences, tokens, strict=True):
                 self._append_token(sequence, token.token_id)
                 updated.append((sequence, token))
+        if self.block_manager.debug_checks:
+            self.block_manager.check_invariants()
         return updated
 
     def _fork(self, parent: Request, num_forks: int) -> list[Request]:
@@ -224,7 +288,10 @@ class Scheduler:
                             eos_token_id=parent.eos_token_id, max_tokens=parent.max_tokens,
                             index=index, arrival_time=parent.arrival_time,
                             num_computed_tokens=parent.num_computed_tokens,
-                            status=RequestStatus.RUNNING)
+                            num_cached_tokens=parent.num_cached_tokens,
+                            block_hashes=list(parent.block_hashes), status=RequestStatus.RUNNING,
+                            # its own matcher, where the parent's is before its first token
+                            grammar=None if parent.grammar is None else parent.grammar.fork())
             self._reserved_seq_ids.discard(child.seq_id)
             self.block_manager.fork(parent.seq_id, child.seq_id)
             self.requests[child.seq_id] = child
@@ -243,3 +310,10 @@ class Scheduler:
             self.finish_request(request.seq_id, RequestStatus.FINISHED_STOPPED)
         elif request.num_output_tokens >= request.max_tokens:
             self.finish_request(request.seq_id, RequestStatus.FINISHED_LENGTH)
+
+
+def _written_blocks(scheduler_output: SchedulerOutput, block_size: int) -> list[int]:
+    """The blocks a step's forward writes K/V into."""
+    return [block_id for s in scheduler_output.scheduled
+            for block_id in s.block_table[s.num_computed_tokens // block_size:
+                                          (s.num_computed_tokens + len(s.token_ids) - 1) // block_size + 1]]

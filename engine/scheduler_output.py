@@ -7,9 +7,12 @@ state), runs one forward and returns a ``ModelRunnerOutput``, which the schedule
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # xgrammar only where a request is constrained
+    from engine.structured_outputs import SequenceGrammar
 
 
 @dataclass(slots=True)
@@ -23,6 +26,8 @@ class SamplingRow:
             scheduler appends to), for penalties, ``min_tokens`` and seeded draws.
         seq_index: the sequence's index among its request's ``n`` (seeds depend on it).
         eos_token_id: masked while ``min_tokens`` is not reached, unless ``ignore_eos``.
+        grammar: the sequence's matcher when ``params.structured_outputs`` is set (the
+            sampler masks the tokens it forbids); advanced by the engine after each step.
     """
 
     params: SamplingParams
@@ -30,6 +35,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     seq_index: int = 0
     eos_token_id: int | None = None
+    grammar: SequenceGrammar | None = None
 
 
 @dataclass(slots=True)

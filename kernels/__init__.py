@@ -1,7 +1,8 @@
 """Attention kernels behind one dispatch. Backends, all with ``kernels.reference``'s contract:
 
 - ``"torch"``: the pure-torch reference (any device);
-- ``"cpu"``: a C++ kernel reading the paged cache in place (``kernels.cpu_attention``);
+- ``"cpu"``: C++ kernels for decode and prefill reading the paged cache in place, per
+  instruction set (``kernels.cpu_attention``);
 - ``"triton"``: Triton kernels for CUDA (``kernels.triton_*``).
 
 This module imports torch only when a function needs it, so that the torch-free engine

@@ -1,15 +1,24 @@
-"""The CPU backend: decode tokens through a C++ kernel that reads K and V in place through
-the block table (``csrc/cpu_decode_attention.cpp``); longer queries (prompts, prefill
-chunks) through the reference's per-sequence SDPA, where matmuls dominate anyway.
+"""The CPU backend: one C++ call per layer for the whole flattened batch, decode tokens and
+prefill chunks alike, reading K and V in place through the block table (``csrc/``).
 
-The extension is compiled on first use with ``torch.utils.cpp_extension`` (g++ and ninja,
-about a minute) and cached under ``$TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/torch_extensions``); ``scripts/setup.sh`` builds it ahead of time. Where it cannot
-be built, ``is_available()`` is False and the engine's ``auto`` backend stays on "torch".
+The kernels are compiled once per instruction set into one extension (AVX-512 with
+AVX512_BF16, AVX-512F, AVX2 + FMA + F16C, portable scalar; only the scalar one off x86-64 or
+with a compiler other than GCC), without ``-march``: the build does not depend on the build
+host's CPU, and each call runs the best kernels the running CPU supports (``supported_isas``),
+or the ones a caller names, or else the ones ``$MINI_INFER_CPU_ISA`` names (e.g.
+``MINI_INFER_CPU_ISA=avx2 python -m engine generate ...`` runs the engine on the AVX2 kernels
+of a CPU with AVX-512). The extension's name carries a hash of its sources, so a build cache
+never serves an older build.
+
+It is compiled on first use with ``torch.utils.cpp_extension`` (g++ and ninja, about a minute)
+and cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``);
+``scripts/setup.sh`` builds it ahead of time. Where it cannot be built, ``is_available()`` is
+False and the engine's ``auto`` backend stays on "torch".
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -17,15 +26,23 @@ from pathlib import Path
 
 import torch
 
-from kernels import reference
-
 logger = logging.getLogger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_decode_attention.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "attention_kernels.cpp"]
+ISA_ENV = "MINI_INFER_CPU_ISA"  # the kernels a call that names none runs: "auto" or a name
+
+
+def extension_name() -> str:
+    """``mini_infer_cpu_attention_<hash>``: 12 hex digits of SHA-256 over every file in ``csrc``."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in _CSRC.iterdir() if p.is_file()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return f"mini_infer_cpu_attention_{digest.hexdigest()[:12]}"
 
 
 @functools.cache
 def load():
-    """Build (once per machine) and import the extension.
+    """Build (once per machine and source version) and import the extension.
 
     Raises:
         RuntimeError: (or the build's own error) when it cannot be compiled here.
@@ -36,10 +53,8 @@ def load():
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    return load_extension(name="mini_infer_cpu_attention", sources=[str(_SOURCE)],
-                          # -fno-math-errno lets GCC vectorise expf through glibc's libmvec
-                          extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-                          extra_ldflags=["-fopenmp"], verbose=False)
+    return load_extension(name=extension_name(), sources=[str(s) for s in _SOURCES],
+                          extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 @functools.cache
@@ -52,20 +67,41 @@ def is_available() -> bool:
     return True
 
 
+def supported_isas() -> list[str]:
+    """Instruction sets whose kernels this CPU runs, best first, e.g. ``["avx512_bf16",
+    "avx512", "avx2", "scalar"]``."""
+    return list(load().supported_isas())
+
+
+def _isa(isa: str | None) -> str:
+    return isa or os.environ.get(ISA_ENV) or "auto"
+
+
+def selected_isa(head_dim: int, isa: str | None = None) -> str:
+    """The instruction set a call with ``isa`` runs at ``head_dim``: "auto" picks the best
+    this CPU runs at that head_dim (the AVX-512 kernels need a multiple of 16, AVX2's of 8);
+    None means ``$MINI_INFER_CPU_ISA``, else "auto".
+
+    Raises:
+        RuntimeError: as ``paged_attention`` for an ``isa`` this CPU cannot run.
+    """
+    return load().selected_isa(head_dim, _isa(isa))
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """Same contract as ``kernels.reference.paged_attention`` (CPU tensors)."""
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-    if len(decodes) == len(lens) == query.shape[0]:  # every sequence decodes: the common step
-        return load().decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
-    out = torch.empty_like(query)
-    if decodes:
-        rows = torch.tensor(decodes)
-        tokens = torch.tensor([starts[i] for i in decodes])
-        out[tokens] = load().decode_attention(query[tokens], k_cache, v_cache,
-                                              block_tables[rows].contiguous(), seq_lens[rows], scale)
-    reference.prefill_attention(query, k_cache, v_cache, block_tables, starts, lens, scale, out)
-    return out
+                    scale: float, isa: str | None = None, num_splits: int = 0) -> torch.Tensor:
+    """Same contract as ``kernels.reference.paged_attention`` (CPU tensors; fp32, bf16 or fp16).
+
+    Args:
+        isa: ``"auto"`` (the best this CPU runs), one of ``supported_isas()``, or None:
+            ``$MINI_INFER_CPU_ISA`` where set, else ``"auto"``.
+        num_splits: 0 splits a decode token's context across threads only when the batch has
+            too few tasks to keep every thread busy; ``n > 0`` splits every one ``n`` ways.
+
+    Raises:
+        RuntimeError: for inconsistent shapes or dtypes, a block-table entry outside the cache,
+            a query longer than its sequence, or an ``isa`` this CPU cannot run.
+    """
+    return load().paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                  scale, _isa(isa), num_splits)

@@ -1,9 +1,11 @@
-"""Run the Locust user headless for a fixed time and write a summary JSON and a PNG plot.
+"""Run the Locust users headless for a fixed time and write a summary JSON and a PNG plot.
 
     python -m loadtest --users 4 --spawn-rate 4 --duration 20 --host http://127.0.0.1:8000
 
-The summary has requests/s, output tokens/s, TTFT, TPOT, ITL and end-to-end latency
-percentiles (p50/p90/p99, milliseconds) and the failure count; Locust's own CSV files
+The users are ``loadtest.locustfile``'s (completions and multi-turn chats, 3:1). The summary
+has requests/s, output tokens/s, TTFT, TPOT, ITL and end-to-end latency percentiles
+(p50/p90/p99, milliseconds), the failure count, and prompt tokens with the share the prefix
+cache served; Locust's own CSV files
 (``<out>/locust_stats.csv``, ``_stats_history.csv``, ``_failures.csv``) sit beside it.
 """
 from gevent import monkey
@@ -20,8 +22,10 @@ from locust.env import Environment  # noqa: E402
 from locust.stats import CSV_STATS_INTERVAL_SEC, PERCENTILES_TO_REPORT, StatsCSVFileWriter, stats_history  # noqa: E402
 
 from loadtest import DEFAULT_OUT  # noqa: E402
-from loadtest.locustfile import OpenAIStreamingUser  # noqa: E402
+from loadtest.locustfile import ChatConversationUser, OpenAIStreamingUser  # noqa: E402
 
+USERS = [OpenAIStreamingUser, ChatConversationUser]
+REQUESTS = ["/v1/completions (stream)", "/v1/chat/completions (multi-turn stream)"]
 METRICS = {"ttft_ms": ("METRIC", "TTFT"), "tpot_ms": ("METRIC", "TPOT"),
            "itl_ms": ("METRIC", "ITL"), "e2e_ms": ("TOKENS", "output_tokens")}
 
@@ -29,7 +33,7 @@ METRICS = {"ttft_ms": ("METRIC", "TTFT"), "tpot_ms": ("METRIC", "TPOT"),
 def run(host: str, users: int, spawn_rate: float, duration: float, out: Path) -> dict:
     """Run the load; return the summary (also written to ``out/summary.json``)."""
     out.mkdir(parents=True, exist_ok=True)
-    env = Environment(user_classes=[OpenAIStreamingUser], host=host)
+    env = Environment(user_classes=USERS, host=host)
     finished: list[tuple[float, int]] = []  # (seconds since start, output tokens) per request
 
     def on_request(request_type, response_length, **_):
@@ -55,13 +59,19 @@ def run(host: str, users: int, spawn_rate: float, duration: float, out: Path) ->
 
 
 def summarize(env, elapsed: float, host: str, users: int, spawn_rate: float) -> dict:
-    requests = env.stats.get("/v1/completions (stream)", "POST")
+    requests = [env.stats.get(name, "POST") for name in REQUESTS]
     tokens = env.stats.get("output_tokens", "TOKENS")
+    prompt = env.stats.get("prompt_tokens", "USAGE").total_content_length
+    cached = env.stats.get("cached_prompt_tokens", "USAGE").total_content_length
     summary = {"host": host, "users": users, "spawn_rate": spawn_rate, "duration_s": round(elapsed, 2),
-               "num_requests": requests.num_requests, "num_failures": requests.num_failures,
+               "num_requests": sum(r.num_requests for r in requests),
+               "num_failures": sum(r.num_failures for r in requests),
+               "num_requests_by_name": {r.name: r.num_requests for r in requests},
                "requests_per_s": round(tokens.num_requests / elapsed, 3),
                "output_tokens": tokens.total_content_length,
-               "output_tokens_per_s": round(tokens.total_content_length / elapsed, 2)}
+               "output_tokens_per_s": round(tokens.total_content_length / elapsed, 2),
+               "prompt_tokens": prompt, "cached_prompt_tokens": cached,
+               "cached_prompt_fraction": round(cached / prompt, 4) if prompt else None}
     for key, (kind, name) in METRICS.items():
         entry = env.stats.get(name, kind)
         summary[key] = {f"p{p}": entry.get_response_time_percentile(p / 100) if entry.num_requests else None

@@ -19,6 +19,11 @@ import sys
 
 def main(argv: list[str]) -> int:
     serve = os.path.join(os.path.dirname(sys.executable), "serve")
+    # A process started in the background by a non-interactive shell (`make run &`) inherits
+    # SIGINT ignored, and Python keeps an ignored SIGINT ignored: ``serve run`` would then
+    # never see the SIGINT sent below. The child inherits SIG_DFL instead, so its Python
+    # installs the KeyboardInterrupt handler that ``serve run``'s shutdown path needs.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     child = subprocess.Popen([serve, "run", *argv], start_new_session=True)
 
     def stop(signum, frame) -> None:

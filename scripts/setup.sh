@@ -7,6 +7,8 @@
 #   On a machine with an NVIDIA GPU it then checks that this torch can use it (pip may have
 #   taken a CPU build from a local wheel directory) and says how to fix it if not.
 #   `scripts/setup.sh --check-torch` runs only that check (exit 1 on a mismatch).
+#   Debian's chromium and chromium-driver (the dashboard's browser test drives them with
+#   Selenium) are installed with apt-get where they are missing, checked at every run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,6 +34,22 @@ if [ "${1:-}" = "--check-torch" ]; then
   check_torch
   exit
 fi
+
+# Debian's chromium and chromium-driver, for tests/app/test_dashboard.py: with apt-get as root
+# (or password-less sudo); elsewhere a warning that says what to install.
+install_chromium() {
+  command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 && return 0
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo -n"
+  if command -v apt-get >/dev/null 2>&1 && { [ -z "$sudo" ] || sudo -n true 2>/dev/null; }; then
+    echo "setup: installing chromium and chromium-driver (apt-get) for the dashboard's browser test"
+    $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq \
+      chromium chromium-driver >/dev/null && return 0
+  fi
+  echo "setup: WARNING: chromium and chromium-driver are missing and could not be installed;" \
+    "the dashboard's browser test needs them: apt-get install chromium chromium-driver" >&2
+}
+install_chromium
 
 stamp=.venv/.setup-stamp
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)

@@ -1,6 +1,7 @@
 """Suite-wide set-up. Triton kernels run under the interpreter where there is no GPU:
 ``TRITON_INTERPRET`` must be set before triton is first imported, and pytest imports this
-file before any test module."""
+file before any test module (so also before ``engine.block_manager`` reads
+``MINI_INFER_DEBUG_CHECKS``)."""
 import os
 import subprocess
 from pathlib import Path
@@ -10,6 +11,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every scheduler step checks the block manager's invariants (engine.block_manager), here
+# and in the services and subprocesses the tests start.
+os.environ.setdefault("MINI_INFER_DEBUG_CHECKS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,5 +1,5 @@
 """The package as pip builds it: a non-editable install must carry the C++ kernel's source
-(else it silently falls back to the torch backend), and no wheel is committed."""
+(else it silently falls back to the torch backend) and the dashboard's page, and no wheel is committed."""
 import shutil
 import subprocess
 import sys
@@ -25,7 +25,7 @@ def test_the_wheel_contains_the_cpp_kernel_source(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     cpp_sources = {name for name in _tracked_files() if name.startswith("kernels/csrc/")}
     assert cpp_sources and cpp_sources <= set(names)
-    assert {"engine/config.py", "app/config.py", "kernels/reference.py"} <= set(names)
+    assert {"engine/config.py", "app/config.py", "kernels/reference.py", "app/static/dashboard.html"} <= set(names)
 
 
 def test_no_wheel_is_committed():

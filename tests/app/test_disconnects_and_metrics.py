@@ -77,12 +77,16 @@ def test_engine_metrics_are_exported_by_ray(api):
     requests.post(api.url + "/v1/completions", timeout=60,
                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 5, "temperature": 0})
     requests.post(api.url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "Hi", "top_p": 9})
+    for _ in range(2):  # the second finds the first's 2 full blocks in the prefix cache
+        requests.post(api.url + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "The sea was grey. " * 8, "max_tokens": 1})
     expected = ["mini_infer_num_requests_running", "mini_infer_num_requests_waiting",
                 "mini_infer_kv_cache_usage_perc", "mini_infer_prompt_tokens_total",
                 "mini_infer_generation_tokens_total", "mini_infer_time_to_first_token_seconds_bucket",
                 "mini_infer_time_per_output_token_seconds_bucket", "mini_infer_inter_token_latency_seconds_bucket",
                 "mini_infer_e2e_request_latency_seconds_bucket", "mini_infer_request_success_total",
-                "mini_infer_http_errors_total"]
+                "mini_infer_http_errors_total", "mini_infer_prefix_cache_queries_total",
+                "mini_infer_prefix_cache_hits_total"]
     patterns = [rf"^ray_{name}\{{" for name in expected] + [
         r'^ray_mini_infer_http_errors_total\{[^}]*status_code="400"',
         r'^ray_mini_infer_request_success_total\{[^}]*finished_reason="length"']

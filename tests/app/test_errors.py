@@ -59,6 +59,11 @@ def _error_cases():
          400, "messages.0.role", None, "messages.0.role"),
         ("token id out of range", "/v1/completions", {**ok, "prompt": [1, 2, 10**6]}, 400, "prompt", None,
          "outside the vocabulary"),
+        ("cache_salt not a string", "/v1/completions", {**ok, "cache_salt": 5}, 400, "cache_salt", None,
+         "cache_salt: Input should be a valid string"),
+        ("empty cache_salt", "/v1/chat/completions",
+         {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "cache_salt": ""}, 400, "cache_salt",
+         None, "cache_salt must be a non-empty string; got ''"),
     ]
 
 

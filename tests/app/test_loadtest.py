@@ -1,4 +1,5 @@
-"""The Locust load test against the real app: 20 s, 4 users, zero failures, every field."""
+"""The Locust load test against the real app: 20 s, 4 users (3 completions, 1 multi-turn
+chat), zero failures, every field."""
 import json
 import subprocess
 import sys
@@ -7,7 +8,8 @@ from tests.serve_process import ROOT
 
 
 def test_locust_run_has_no_failures_and_a_complete_summary(api, tmp_path):
-    env = {"MINI_INFER_LOAD_MIX": "50:16-64,35:100-200,15:300-400", "MINI_INFER_LOAD_OUTPUT": "8-32"}
+    env = {"MINI_INFER_LOAD_MIX": "50:16-64,35:100-200,15:300-400", "MINI_INFER_LOAD_OUTPUT": "8-32",
+           "MINI_INFER_LOAD_CHAT_OUTPUT": "8-16"}
     command = [sys.executable, "-m", "loadtest", "--users", "4", "--spawn-rate", "4", "--duration", "20",
                "--host", api.url, "--out", str(tmp_path)]
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180,
@@ -16,6 +18,9 @@ def test_locust_run_has_no_failures_and_a_complete_summary(api, tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["num_failures"] == 0 and summary["failures"] == [], summary["failures"]
     assert summary["num_requests"] >= 4
+    # the chat user's later turns resend its conversation: the prefix cache serves it
+    assert summary["num_requests_by_name"]["/v1/chat/completions (multi-turn stream)"] >= 2
+    assert 0 < summary["cached_prompt_tokens"] < summary["prompt_tokens"]
     assert summary["requests_per_s"] > 0 and summary["output_tokens_per_s"] > 0
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert set(summary[metric]) == {"p50", "p90", "p99", "mean"}

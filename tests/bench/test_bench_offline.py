@@ -35,16 +35,24 @@ def test_offline_benchmark_quick(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out_path.read_text())
     systems = {s["system"]: s for s in result["systems"]}
-    assert set(systems) == {"mini-infer", "hf-static-4", "hf-continuous"}
-    for name in ("mini-infer", "hf-static-4"):
+    assert set(systems) == {"mini-infer", "mini-infer-no-prefix-caching", "hf-static-4", "hf-continuous"}
+    for name in ("mini-infer", "mini-infer-no-prefix-caching", "hf-static-4"):
         s = systems[name]
         assert s["output_tokens"] == sum(min(16, n) for n in _max_tokens(workload)[:8])
         assert s["output_tokens_per_s"] > 0 and 0 < s["roofline_fraction"] < 1
         assert {"p50", "p90", "p99", "mean"} <= set(s["ttft_s"]) and s["peak_memory_gib"] > 0
     assert result["ratio_vs_best_static"] > 0 and result["matmul_flops_per_s"] > 1e9
+    assert result["prefix_caching_throughput_ratio"] > 0 and result["prefix_caching_ttft_p50_ratio"] > 0
+    assert systems["mini-infer-no-prefix-caching"]["prefix_cache_queries"] == 0
+    num_prompt_tokens = sum(len(r["prompt_token_ids"][:64]) for r in _requests(workload))
+    assert systems["mini-infer"]["prefix_cache_queries"] == num_prompt_tokens  # every prompt looked up once
     assert out_path.with_suffix(".png").stat().st_size > 10_000
-    assert "mini-infer / hf-static-4" in out.stdout
+    assert "mini-infer / hf-static-4" in out.stdout and "prefix caching on / off" in out.stdout
+
+
+def _requests(workload):
+    return json.loads(workload.read_text())["requests"][:8]
 
 
 def _max_tokens(workload):
-    return [r["max_tokens"] for r in json.loads(workload.read_text())["requests"]]
+    return [r["max_tokens"] for r in _requests(workload)]

@@ -1,15 +1,25 @@
-"""The non-GPU logic of ``bench/kernel_bench.py``: byte accounting, skipping, the table."""
+"""The non-GPU logic of ``bench/kernel_bench.py``: byte accounting, skipping, the table; and
+its ``cpu`` subcommand (``bench/kernel_bench_cpu.py``) end to end on small shapes."""
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "kernel_bench.py"
-_spec = importlib.util.spec_from_file_location("kernel_bench", _PATH)
-kb = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = kb  # dataclasses look their module up while the file executes
-_spec.loader.exec_module(kb)
+_BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, _BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+kb = _load("kernel_bench")
+kb_cpu = _load("kernel_bench_cpu")  # imports kernel_bench: loaded first
 
 SHAPE = kb.QWEN2_5_7B
 
@@ -57,3 +67,65 @@ def test_gather_sdpa_baseline_matches_reference():
                                 "query_start_loc", "seq_lens", "scale")]
     torch.testing.assert_close(kb.gather_sdpa_decode(inputs, 40, shape),
                                reference.paged_attention(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_bench_prefill_inputs_are_a_valid_batch():
+    import torch
+
+    from kernels import cpu_attention, reference
+
+    shape = kb.AttentionShape(num_heads=6, num_kv_heads=2, head_dim=32, block_size=16)
+    args = kb_cpu.make_prefill_inputs([(40, 40), (33, 9), (17, 1)], shape, torch.float32)
+    assert args[0].shape == (50, 6, 32) and args[3].shape == (3, 3)
+    used = torch.cat([args[3][i, :count] for i, count in enumerate([3, 3, 2])])
+    assert sorted(used.tolist()) == list(range(8))  # each block of the pool used once
+    torch.testing.assert_close(cpu_attention.paged_attention(*args), reference.paged_attention(*args),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_bench_small_run_reports_every_combination():
+    result = kb_cpu.run_cpu(batches=(1, 3), contexts=(16, 40), rounds=1,
+                            prefill_cases=(("2 prompts", [(20, 20), (17, 17)]),),
+                            copy_bytes=2**20, flush_bytes=2**20, log=lambda line: None)
+    assert set(result["decode"]) == set(result["prefill"]) == {"bfloat16", "float32"}
+    assert result["isa"] == result["supported_isas"][0] and result["threads"] >= 1 and result["clock"] == "wall"
+    for dtype, rows in result["decode"].items():
+        assert [(r["batch"], r["context"]) for r in rows] == [(1, 16), (3, 16), (1, 40), (3, 40)]
+        elem_size = 2 if dtype == "bfloat16" else 4
+        for r in rows:
+            shape = kb.AttentionShape(9, 3, 64, 16, elem_size)
+            assert r["bytes"] == kb.decode_bytes(r["batch"], r["context"], shape)
+            assert r["gbps"] > 0 and r["copy_gbps"] > 0
+            assert r["of_copy"] == pytest.approx(r["gbps"] / r["copy_gbps"], rel=1e-3)
+            assert r["max_abs_diff"] < (2e-2 if dtype == "bfloat16" else 1e-5)
+        (prefill,) = result["prefill"][dtype]
+        assert prefill["query_tokens"] == 37
+        assert prefill["speedup"] == pytest.approx(prefill["per_sequence_ms"] / prefill["kernel_ms"], rel=1e-3)
+
+
+def test_cpu_subcommand_writes_json_and_plot(tmp_path, capsys):
+    out = tmp_path / "cpu.json"
+    assert kb.main(["cpu", "--dtypes", "float32", "--batches", "2", "--contexts", "20", "--rounds", "1",
+                    "--no-prefill", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["batch"], r["context"]) for r in result["decode"]["float32"]] == [(2, 20)]
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "decode, float32" in capsys.readouterr().out
+
+
+def test_cpu_clock_times_one_thread_only(tmp_path, capsys):
+    import torch
+
+    out, threads = tmp_path / "cpu.json", torch.get_num_threads()
+    common = ["cpu", "--dtypes", "float32", "--batches", "2", "--contexts", "20", "--rounds", "1", "--no-prefill",
+              "--clock", "cpu", "--out", str(out)]
+    try:
+        assert kb.main(common + ["--threads", "2"]) == 2
+        assert "--clock cpu times the calling thread only: add --threads 1" in capsys.readouterr().err
+        assert not out.exists()
+        assert kb.main(common + ["--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(out.read_text())
+    assert result["clock"] == "cpu" and result["threads"] == 1
+    assert f"decode, float32 ({result['isa']}, 1 threads, cpu time)" in capsys.readouterr().out

@@ -31,6 +31,26 @@ def test_generate_a_workload_file(tmp_path):
     assert summary["output_tokens_per_s"] > 0
 
 
+def test_a_shared_prefix_workload_with_prefix_caching_on_and_off(tmp_path):
+    # w3_shared_prefix's schema: extra fields (prefix_id) are ignored
+    prefix = list(range(1000, 1048))
+    workload = {"name": "w3-like", "requests": [
+        {"id": f"r{i}", "prefix_id": 0, "prompt_token_ids": prefix + [2000 + i] * (i + 1), "max_tokens": 3}
+        for i in range(3)]}
+    path = tmp_path / "w3.json"
+    path.write_text(json.dumps(workload))
+    summaries = {}
+    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        out = run("generate", "--workload", str(path), "--json-out", str(tmp_path / "s.json"), flag)
+        assert out.returncode == 0, out.stderr
+        summaries[flag] = json.loads((tmp_path / "s.json").read_text())
+    on, off = summaries["--enable-prefix-caching"], summaries["--no-enable-prefix-caching"]
+    assert on["enable_prefix_caching"] and not off["enable_prefix_caching"]
+    # the 2nd and 3rd requests wait one step for the 1st to compute the shared 3 blocks
+    assert (on["num_cached_tokens"], off["num_cached_tokens"]) == (2 * 48, 0)
+    assert on["output_tokens"] == off["output_tokens"] == 9
+
+
 def test_bad_arguments_fail_with_a_clear_message():
     out = run("generate", "--prompt", "x", "--max-tokens", "0")
     assert out.returncode != 0

@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 import requests
 
+from tests.browser import COUNT_CELLS_JS, chromium, wait
 from tests.serve_process import ROOT, ServeProcess
 
 MODEL = "smollm2-135m-instruct"
@@ -56,6 +57,23 @@ def test_requests_reach_both_replicas(two_replicas):
     metrics = requests.get(two_replicas.url + "/metrics", timeout=10).text
     running = re.findall(r'^mini_infer_num_requests_running\{[^}]*replica="([^"]+)"', metrics, re.M)
     assert sorted(running) == sorted(r["replica_id"] for r in replicas)
+
+
+def test_dashboard_shows_one_grid_per_replica(two_replicas):
+    from selenium.webdriver.common.by import By
+
+    replicas = requests.get(two_replicas.url + "/stats?blocks=1", timeout=30).json()["replicas"]
+    assert len({(r["replica_id"], r["node_id"]) for r in replicas}) == 2
+    with chromium() as browser:
+        browser.get(two_replicas.url + "/dashboard")
+        sections = wait(lambda: len(found := browser.find_elements(By.CSS_SELECTOR, "section.replica")) == 2 and found,
+                        30, "two replicas' sections")
+        assert {s.get_attribute("data-replica-id") for s in sections} == {r["replica_id"] for r in replicas}
+        for replica in replicas:
+            counts = wait(lambda r=replica: browser.execute_script(COUNT_CELLS_JS, r["replica_id"]), 30, "a grid")
+            assert counts["cells"] == replica["num_total_blocks"] == len(replica["blocks"]["ref_counts"])
+            assert counts["used"] == counts["shared"] == counts["other"] == 0
+        assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
 
 
 def test_killing_a_replica_mid_load_hangs_no_client_and_the_app_recovers(two_replicas):

@@ -48,7 +48,8 @@ CLOSED = [("GET", "/v1/models", None, 200), ("POST", "/v1/completions", BODY, 20
                                             "messages": [{"role": "user", "content": "Hi"}]}, 200),
           ("GET", "/stats", None, 200), ("GET", "/ready", None, 200), ("GET", "/docs", None, 200),
           ("GET", "/redoc", None, 200), ("GET", "/openapi.json", None, 200),
-          ("GET", "/metrics", None, 200), ("GET", "/no/such/route", None, 404)]
+          ("GET", "/metrics", None, 200), ("GET", "/dashboard", None, 200),
+          ("GET", "/stats?blocks=1", None, 200), ("GET", "/no/such/route", None, 404)]
 
 
 @pytest.mark.parametrize("method,path,body,status", CLOSED, ids=[f"{m} {p}" for m, p, _, _ in CLOSED])

@@ -100,11 +100,14 @@ def llm():
 
 
 def assert_idle(llm) -> None:
-    """Invariant 2: an idle engine has every block free and nothing queued."""
+    """Invariant 2: an idle engine has every block free (cached ones included) and nothing
+    queued; and the block manager's invariants hold (one block per cached hash, no block
+    both referenced and free)."""
     stats = llm.llm_engine.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
     assert llm.llm_engine.block_manager.block_tables == {}
+    llm.llm_engine.block_manager.check_invariants()
 
 
 @pytest.fixture(autouse=True)

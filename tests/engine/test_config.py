@@ -1,6 +1,7 @@
 """Engine settings are written once, in engine/config.py: LLM(...), the command line and the
 service's AppConfig are generated from the dataclass fields."""
 import dataclasses
+import re
 import typing
 
 import pytest
@@ -69,3 +70,25 @@ def test_llm_takes_every_engine_setting_by_name():
         LLM(max_num_seq=8)
     with pytest.raises(ValueError, match="max_num_batched_tokens .16. must be >= max_num_seqs .32."):
         LLM(max_num_seqs=32, max_num_batched_tokens=16)
+
+
+def test_enable_prefix_caching_is_on_by_default_in_every_front_end(monkeypatch):
+    import yaml
+
+    from tests.serve_process import ROOT
+
+    assert EngineConfig().cache.enable_prefix_caching is True
+    assert EngineConfig.from_kwargs(enable_prefix_caching=False).cache.enable_prefix_caching is False
+    parse = _parser().parse_args
+    assert parse(["generate", "--prompt", "x"]).enable_prefix_caching is True
+    assert parse(["generate", "--prompt", "x", "--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert AppConfig.model_fields["enable_prefix_caching"].default is True
+    monkeypatch.setenv("MINI_INFER_ENABLE_PREFIX_CACHING", "false")
+    assert AppConfig.load().engine_config().cache.enable_prefix_caching is False
+    for path in sorted((ROOT / "ray_configs").glob("*.yaml")):
+        text = path.read_text()
+        yaml.safe_load(text)
+        # A Serve config that lists the settings lists this one (serve_local.yaml lists
+        # none: AppConfig's defaults and MINI_INFER_<FIELD> decide).
+        if "import_path: app:build_app" in text and re.search(r"^\s+args:", text, re.M):
+            assert "enable_prefix_caching: true" in text, path.name

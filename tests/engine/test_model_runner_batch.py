@@ -1,6 +1,8 @@
 """The runner's host-side batch: decodes first with ``num_decodes``, logits rows mapped back
-to scheduling order, metadata placed where each attention backend reads it; and the device
-and dtype choices that depend on the GPU."""
+to scheduling order, metadata placed where each attention backend reads it; the device
+and dtype choices that depend on the GPU; and the CPU attention kernels it starts with."""
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -78,3 +80,20 @@ def test_auto_dtype_by_compute_capability(monkeypatch, capability, expected):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert resolve_dtype("auto", torch.device("cuda", 0)) == expected
     assert resolve_dtype("float32", torch.device("cuda", 0)) == torch.float32
+
+
+def test_cpu_backend_logs_its_kernels_and_refuses_ones_this_cpu_lacks(monkeypatch, caplog):
+    """``$MINI_INFER_CPU_ISA`` picks the CPU attention kernels; a name this CPU cannot run
+    fails when the engine starts, not at its first step."""
+    cpu_attention = pytest.importorskip("kernels.cpu_attention")
+    if not cpu_attention.is_available():
+        pytest.skip("the C++ CPU kernel did not build")
+    kwargs = dict(model="dummy:tiny-llama", dtype="float32", device="cpu", attention_backend="cpu",
+                  num_gpu_blocks=8, max_num_batched_tokens=32, max_num_seqs=4)
+    monkeypatch.setenv(cpu_attention.ISA_ENV, "scalar")
+    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+        LLM(**kwargs)
+    assert "CPU attention: the scalar kernels" in caplog.text
+    monkeypatch.setenv(cpu_attention.ISA_ENV, "sse9")
+    with pytest.raises(RuntimeError, match=r"unknown isa 'sse9' \(the isa argument or \$MINI_INFER_CPU_ISA\)"):
+        LLM(**kwargs)

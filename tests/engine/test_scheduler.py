@@ -16,10 +16,10 @@ from engine.scheduler_output import ModelRunnerOutput, SampledToken
 
 
 def make_scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-                   max_model_len=64) -> Scheduler:
+                   max_model_len=64, enable_prefix_caching=False) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                              max_num_batched_tokens=max_num_batched_tokens)
-    return Scheduler(config, BlockManager(num_blocks, block_size))
+    return Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching))
 
 
 def make_request(request_id, num_prompt_tokens, max_tokens=4, eos_token_id=None) -> Request:
@@ -125,7 +125,8 @@ def test_preempted_request_recomputes_its_prompt_and_output():
     while "a" in s.requests:
         run_step(s)
     # b returns with its prompt and its one generated token, and samples its second token
-    assert plan(run_step(s)) == [("b", 5, 0, [1, 2], True)]
+    # (in a's freed blocks, which returned to the head of the free queue)
+    assert plan(run_step(s)) == [("b", 5, 0, [0, 2], True)]
     assert b.output_token_ids == [7, 7] and b.status == RequestStatus.RUNNING
 
 
@@ -174,8 +175,11 @@ def test_stop_reasons():
     assert stop.status == RequestStatus.FINISHED_STOPPED
 
 
-def test_a_tiny_pool_never_spins_and_finishes_everything():
-    s = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=8, max_num_batched_tokens=8)
+@pytest.mark.parametrize("enable_prefix_caching", [False, True])
+def test_a_tiny_pool_never_spins_and_finishes_everything(enable_prefix_caching):
+    # (every prompt starts with the same ids: with prefix caching, hits and evictions too)
+    s = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=8, max_num_batched_tokens=8,
+                       enable_prefix_caching=enable_prefix_caching)
     lengths = [1, 3, 4, 5, 9, 12, 2, 16, 7, 11]
     for i, n in enumerate(lengths):
         s.add_request(make_request(str(i), n, max_tokens=24 - n - 1 if n + 8 > 24 else 8))

@@ -1,6 +1,12 @@
-"""The C++ CPU backend (``kernels.cpu_attention``) against ``kernels.reference`` over the same
-sweep as the Triton kernels: shuffled block tables padded with -1, NaN-poisoned caches,
-decode, prompts, chunks and mixed batches, GQA groups 1, 3, 7, head_dim 64/128/80."""
+"""The C++ CPU backend (``kernels.cpu_attention``) against ``kernels.reference``: every
+instruction-set path this CPU runs, forced one at a time, over shuffled block tables padded
+with -1 and NaN-poisoned caches: decode tokens (with and without the context split across
+threads), whole prompts, chunks after cached tokens and mixed batches; GQA groups 1, 3, 7;
+lengths 15, 16, 17 around a block boundary; head_dim 64, 128 and 80; fp32, bf16 and fp16."""
+import functools
+import re
+import shutil
+
 import pytest
 import torch
 
@@ -8,8 +14,10 @@ import kernels
 from kernels import cpu_attention, reference
 from tests.kernels.paged_cases import CHUNKS, DECODE, MIXED, PROMPTS, TOLERANCES, make_batch
 
-pytestmark = pytest.mark.skipif(not cpu_attention.is_available(), reason="the C++ kernel did not build")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() or not cpu_attention.is_available(),
+                                reason="the C++ CPU kernel: CPU only, and it must build")
 
+# (seqs, num_heads, num_kv_heads, head_dim, block_size)
 SHAPES = {
     "decode-g1-d64-b16": (DECODE, 2, 2, 64, 16),
     "decode-g3-d64-b16": (DECODE, 9, 3, 64, 16),
@@ -18,25 +26,118 @@ SHAPES = {
     "chunks-g7-d64-b16": (CHUNKS, 7, 1, 64, 16),
     "mixed-g3-d64-b32": (MIXED, 9, 3, 64, 32),
     "mixed-g1-d80-b16": (MIXED, 2, 2, 80, 16),
+    "mixed-g7-d128-b8": (MIXED, 14, 2, 128, 8),
     "long-decode-g3-d64-b16": ([(1000, 1), (2047, 1), (513, 1)], 9, 3, 64, 16),
 }
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ISAS = cpu_attention.supported_isas() if cpu_attention.is_available() else []
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
-                         ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-def test_matches_reference(shape, dtype):
-    seqs, num_heads, num_kv_heads, head_dim, block_size = shape
-    if torch.cuda.is_available():
-        pytest.skip("CPU kernel")
+@functools.cache
+def _case(shape_id: str, dtype: torch.dtype):
+    """A batch and the reference's output for it, shared by every instruction set."""
+    seqs, num_heads, num_kv_heads, head_dim, block_size = SHAPES[shape_id]
     batch = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=len(seqs))
-    expected = reference.paged_attention(*batch.args())
-    out = kernels.paged_attention(*batch.args(), backend="cpu")
-    assert out.dtype == dtype and torch.isfinite(out).all()
-    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    return batch, reference.paged_attention(*batch.args())
 
 
-def test_auto_backend_on_the_cpu_is_the_kernel():
+def _assert_matches(out, expected):
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    assert torch.isfinite(out).all(), "NaN from an unused cache slot leaked into the output"
+    torch.testing.assert_close(out, expected, **TOLERANCES[out.dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape_id", SHAPES)
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_isa_matches_reference(isa, shape_id, dtype):
+    batch, expected = _case(shape_id, dtype)
+    _assert_matches(cpu_attention.paged_attention(*batch.args(), isa=isa), expected)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape_id", ["decode-g3-d64-b16", "mixed-g7-d128-b8", "long-decode-g3-d64-b16"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_split_context_matches_reference(isa, shape_id, dtype, num_splits):
+    """Decode contexts split n ways and merged; short sequences get fewer, non-empty splits."""
+    batch, expected = _case(shape_id, dtype)
+    _assert_matches(cpu_attention.paged_attention(*batch.args(), isa=isa, num_splits=num_splits), expected)
+
+
+def test_backend_dispatch_matches_reference():
+    batch, expected = _case("mixed-g3-d64-b32", torch.float32)
+    _assert_matches(kernels.paged_attention(*batch.args(), backend="cpu"), expected)
     assert kernels.resolve_backend("auto", "cpu") == "cpu"
     with pytest.raises(ValueError, match="'cpu' needs the CPU device"):
         kernels.resolve_backend("cpu", "cuda")
+
+
+def test_isas_best_first_and_auto_falls_back_by_head_dim():
+    assert ISAS[-1] == "scalar" and len(set(ISAS)) == len(ISAS)
+    assert set(ISAS) <= {"avx512_bf16", "avx512", "avx2", "scalar"}
+    assert cpu_attention.selected_isa(64) == ISAS[0]
+    # head_dim 72: not a multiple of 16 (AVX-512's vector), a multiple of 8 (AVX2's)
+    assert cpu_attention.selected_isa(72) == next(i for i in ISAS if i in ("avx2", "scalar"))
+    assert cpu_attention.selected_isa(36) == "scalar"
+
+
+def test_forced_isa_errors_name_the_problem():
+    batch, _ = _case("decode-g1-d64-b16", torch.float32)
+    with pytest.raises(RuntimeError, match=re.escape("unknown isa 'sse9' (the isa argument or $MINI_INFER_CPU_ISA); "
+                                                       "this CPU runs: " + ", ".join(ISAS))):
+        cpu_attention.paged_attention(*batch.args(), isa="sse9")
+    if "avx512" in ISAS:
+        odd = make_batch([(5, 1)], 2, 2, 72, 16, torch.float32)
+        with pytest.raises(RuntimeError, match="'avx512' kernels need head_dim a multiple of 16; got 72"):
+            cpu_attention.paged_attention(*odd.args(), isa="avx512")
+
+
+def test_the_environment_picks_the_kernels_of_calls_that_name_none(monkeypatch):
+    batch, _ = _case("mixed-g3-d64-b32", torch.bfloat16)
+    for isa in ISAS:
+        monkeypatch.setenv(cpu_attention.ISA_ENV, isa)
+        assert cpu_attention.selected_isa(64) == isa
+        assert torch.equal(cpu_attention.paged_attention(*batch.args()),
+                           cpu_attention.paged_attention(*batch.args(), isa=isa))
+    assert cpu_attention.selected_isa(64, "auto") == ISAS[0]  # an argument beats the environment
+    monkeypatch.setenv(cpu_attention.ISA_ENV, "sse9")
+    with pytest.raises(RuntimeError, match=re.escape("unknown isa 'sse9' (the isa argument or $MINI_INFER_CPU_ISA)")):
+        cpu_attention.selected_isa(64)
+
+
+def test_bad_block_table_and_lengths_are_errors_not_reads():
+    batch, _ = _case("decode-g3-d64-b16", torch.float32)
+    args = list(batch.args())
+    tables = batch.block_tables.clone()
+    tables[4, 1] = batch.k_cache.shape[0]  # sequence 4 (100 tokens) reads blocks 0..6
+    args[3] = tables
+    with pytest.raises(RuntimeError, match=rf"block_tables\[4\]\[1\] = {batch.k_cache.shape[0]} is outside"):
+        cpu_attention.paged_attention(*args)
+    args[3] = batch.block_tables
+    args[5] = batch.seq_lens.clone()
+    args[5][0] = 0  # sequence 0 has a query token but no length
+    with pytest.raises(RuntimeError, match=r"sequence 0 has 1 query tokens but seq_lens\[0\] = 0"):
+        cpu_attention.paged_attention(*args)
+
+
+def test_extension_is_built_for_no_particular_cpu():
+    """No -march/-m<isa> flag in the build (the kernels pick their instruction set at run
+    time), and the cache name carries a hash of the sources."""
+    cpu_attention.load()
+    name = cpu_attention.extension_name()
+    assert name.startswith("mini_infer_cpu_attention_") and len(name.rsplit("_", 1)[1]) == 12
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_file = (_get_build_directory(name, verbose=False) + "/build.ninja")
+    flags = next(line for line in open(build_file) if line.startswith("cflags"))
+    assert "-march" not in flags and "-mavx" not in flags and "-O3" in flags
+
+
+def test_extension_name_changes_with_the_source(tmp_path, monkeypatch):
+    shutil.copytree(cpu_attention._CSRC, tmp_path / "csrc")
+    monkeypatch.setattr(cpu_attention, "_CSRC", tmp_path / "csrc")
+    before = cpu_attention.extension_name()
+    header = tmp_path / "csrc" / "vec_avx2.h"
+    header.write_text(header.read_text() + "// changed\n")
+    assert cpu_attention.extension_name() != before

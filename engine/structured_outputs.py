@@ -1,0 +1,232 @@
+"""Structured outputs through xgrammar: constraints to grammars, a matcher per sequence, and
+each step's token bitmask.
+
+- ``StructuredOutputManager`` turns a request's ``StructuredOutputsParams`` into an
+  xgrammar ``Grammar`` at once (cheap, no tokenizer: an invalid schema, regex or grammar is
+  a ``ValueError`` when the request is added), then compiles it against the tokenizer on a
+  worker thread (the expensive part: a token mask cache over the vocabulary), so that a
+  slow compile holds back its own request only. Compiled grammars are kept in an LRU cache
+  keyed by the constraint; requests with the same constraint share one compile, even while
+  it runs.
+- ``SequenceGrammar`` is one sequence's matcher: it accepts each sampled token; forks of a
+  request with ``n > 1`` fork their parent's matcher before it accepts its own token.
+- ``GrammarBitmask`` fills the bitmasks of a step's constrained rows in one batched call
+  (xgrammar's ``BatchGrammarMatcher``, C++ threads) for ``engine.sampler.apply_grammar_bitmask``.
+
+Importing this module imports xgrammar (about a second with transformers): the engine does
+it on its first constrained request.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Sequence
+
+import pydantic
+import torch
+import xgrammar as xgr
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import StructuredOutputsParams
+from engine.scheduler_output import SamplingRow
+
+GRAMMAR_CACHE_SIZE = 128  # distinct constraints kept compiled, least recently used dropped first
+# xgrammar's threads for one compile and for one step's bitmasks: half the cores (the
+# forward's torch threads run beside them), at most 8 (its own default).
+_NUM_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+_XGRAMMAR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+def grammar_of(params: StructuredOutputsParams) -> xgr.Grammar:
+    """The constraint as an xgrammar ``Grammar`` (no tokenizer; milliseconds).
+
+    Raises:
+        InvalidRequestError: for a schema, regex, grammar or structural tag xgrammar cannot
+            parse or does not support, naming ``structured_outputs.<field>`` and the reason.
+    """
+    kind = params.kind
+    value = getattr(params, kind)
+    any_whitespace = not params.disable_any_whitespace
+    try:
+        if kind == "json":
+            schema = value if isinstance(value, str) else json.dumps(value)
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+        if kind == "json_object":  # any object: not strict, or {"type": "object"} allows only {}
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace,
+                                                strict_mode=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(value)
+        if kind == "choice":  # a JSON string literal is an EBNF one (same escapes)
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(value)
+        return xgr.Grammar.from_structural_tag(value)
+    except (RuntimeError, ValueError, TypeError, pydantic.ValidationError) as exc:
+        raise InvalidRequestError(f"structured_outputs.{kind}: {_reason(exc)}",
+                                  f"structured_outputs.{kind}") from None
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's message without its C++ source location."""
+    lines = [_XGRAMMAR_LOCATION.sub("", line).strip() for line in str(exc).strip().splitlines()]
+    return " ".join(line for line in lines if line)[:500] or type(exc).__name__
+
+
+class StructuredOutputManager:
+    """Compiles constraints for one tokenizer, caches them, and hands out matchers.
+
+    Not thread-safe: the engine's thread calls it; compiles run on its own worker thread.
+
+    Args:
+        tokenizer: the model's transformers tokenizer.
+        vocab_size: the model's logits width (may exceed the tokenizer's vocabulary; the
+            extra ids are never allowed).
+        eos_token_id: the token that ends a sequence where the grammar may end.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._tokenizer = tokenizer
+        self._compiler: xgr.GrammarCompiler | None = None  # made on the worker thread
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+
+    def grammar(self, params: StructuredOutputsParams) -> SequenceGrammar:
+        """A matcher for sequence 0 of a request, its grammar compiled (or compiling).
+
+        Raises:
+            InvalidRequestError: for an invalid constraint (``grammar_of``).
+        """
+        key = params.key()
+        future = self._cache.get(key)
+        if future is None or (future.done() and future.exception() is not None):
+            future = self._executor.submit(self._compile, grammar_of(params))
+            self._cache[key] = future
+            while len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        return SequenceGrammar(future)
+
+    def _compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+        if self._compiler is None:  # about 0.3 s for a 49k vocabulary: once, off the step loop
+            stop_token_ids = None if self.eos_token_id is None else [self.eos_token_id]
+            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=_NUM_THREADS, cache_enabled=False)
+        return self._compiler.compile_grammar(grammar)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class SequenceGrammar:
+    """One sequence's position in its grammar: an xgrammar matcher, made when the compile is
+    done. Once the matcher has accepted a stop token (it terminated), the sequence's later
+    tokens (after an EOS under ``ignore_eos``) are unconstrained."""
+
+    __slots__ = ("_future", "matcher")
+
+    def __init__(self, future: Future, matcher: xgr.GrammarMatcher | None = None) -> None:
+        self._future = future
+        self.matcher = matcher
+
+    def is_ready(self) -> bool:
+        """Whether the compile has finished (successfully or not: see ``error``)."""
+        if self.matcher is None and self._future.done() and self._future.exception() is None:
+            self.matcher = xgr.GrammarMatcher(self._future.result())
+        return self._future.done()
+
+    @property
+    def error(self) -> str | None:
+        """Why the compile failed, if it did."""
+        if not self._future.done() or self._future.exception() is None:
+            return None
+        exc = self._future.exception()
+        return f"structured_outputs: compiling the grammar failed: {type(exc).__name__}: {exc}"
+
+    def wait(self, timeout: float) -> None:
+        """Block until the compile finishes or ``timeout`` seconds pass."""
+        try:
+            self._future.exception(timeout=timeout)
+        except TimeoutError:
+            pass
+
+    @property
+    def is_active(self) -> bool:
+        """The next token is constrained: the matcher exists and has not terminated."""
+        return self.matcher is not None and not self.matcher.is_terminated()
+
+    def fork(self) -> SequenceGrammar:
+        """An independent copy at the same position (for a fork of a request with n > 1)."""
+        return SequenceGrammar(self._future, None if self.matcher is None else self.matcher.fork())
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; ``False`` if the grammar forbids it (a bug: the mask
+        allowed it). Tokens after termination are accepted unchecked."""
+        return not self.is_active or self.matcher.accept_token(token_id)
+
+
+@dataclass(slots=True)
+class StepBitmask:
+    """The token bitmasks of one step's constrained rows.
+
+    Attributes:
+        bitmask: ``[num_rows, ceil(vocab_size / 32)]`` int32 on the logits' device; bit
+            ``j % 32`` of word ``j // 32`` of row ``i`` is set where token ``j`` is allowed
+            (xgrammar's layout). Only the rows in ``indices`` are filled.
+        indices: the constrained rows, ascending.
+    """
+
+    bitmask: torch.Tensor
+    indices: list[int]
+
+
+class GrammarBitmask:
+    """Fills a step's bitmasks into one reused host buffer (pinned on CUDA) and moves it to
+    the device.
+
+    Args:
+        vocab_size: the logits width.
+        device: where the logits live.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._host = self._allocate(64)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=_NUM_THREADS)
+
+    def _allocate(self, num_rows: int) -> torch.Tensor:
+        shape = xgr.get_bitmask_shape(num_rows, self.vocab_size)
+        return torch.empty(shape, dtype=xgr.bitmask_dtype, pin_memory=self.device.type == "cuda")
+
+    def fill(self, rows: Sequence[SamplingRow]) -> StepBitmask | None:
+        """The bitmasks of the rows whose grammar is active; ``None`` when there are none.
+
+        Rows that share a matcher (the ``n`` samples of a prompt about to fork) are filled
+        once and copied.
+        """
+        indices = [i for i, row in enumerate(rows) if row.grammar is not None and row.grammar.is_active]
+        if not indices:
+            return None
+        if len(rows) > self._host.shape[0]:
+            self._host = self._allocate(max(len(rows), 2 * self._host.shape[0]))
+        first_row: dict[int, int] = {}  # id(matcher) -> the row that fills its mask
+        copies = []
+        for i in indices:
+            source = first_row.setdefault(id(rows[i].grammar.matcher), i)
+            if source != i:
+                copies.append((source, i))
+        filled = [i for i in indices if first_row[id(rows[i].grammar.matcher)] == i]
+        self._batch.batch_fill_next_token_bitmask([rows[i].grammar.matcher for i in filled], self._host, filled)
+        for source, i in copies:
+            self._host[i] = self._host[source]
+        bitmask = self._host[:len(rows)]
+        if self.device.type != "cpu":
+            bitmask = bitmask.to(self.device, non_blocking=True)
+        return StepBitmask(bitmask, indices)

@@ -1,0 +1,79 @@
+// The interface between the torch-facing driver (cpu_attention.cpp) and the per-instruction-set
+// attention kernels (attention_kernels.cpp). No torch and no intrinsics here: the kernels'
+// translation unit includes no torch header, so none of torch's inline functions is compiled
+// with instruction sets the host may lack.
+#pragma once
+
+#include <cstdint>
+
+namespace mini_infer {
+
+// 16-bit floats as raw bits; layout-compatible with c10::BFloat16 and c10::Half.
+struct bf16_t {
+  uint16_t bits;
+};
+struct fp16_t {
+  uint16_t bits;
+};
+
+// Keys per tile: the kernels take keys this many at a time at most (one AVX-512 register of
+// scores); buffers sized per tile use it.
+constexpr int64_t kMaxTileKeys = 16;
+
+// One call's tensors as raw pointers and element strides (layouts as kernels/reference.py).
+struct AttentionProblem {
+  const void* query;  // [num_tokens, num_heads, head_dim]
+  int64_t query_token_stride, query_head_stride;
+  const void* k_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+  const void* v_cache;  // same shape and strides as k_cache
+  int64_t cache_block_stride, cache_row_stride, cache_head_stride;
+  const int32_t* block_tables;  // [num_seqs, table_stride]
+  int64_t table_stride;
+  int64_t block_size, head_dim;
+  int64_t group;  // query heads per KV head (num_heads / num_kv_heads)
+  float scale;    // softmax scale, applied to q.k
+};
+
+// One unit of work: query tokens [token_begin, token_begin + num_tokens) of sequence `seq`,
+// which sit at positions first_pos, first_pos + 1, ... of it, with the `group` query heads of
+// KV head `kv_head`, against the keys at positions [key_begin, key_end). A query token sees
+// keys up to its own position (causal). Its `rows` = num_tokens * group query rows are
+// ordered token-major: row m is token m / group, query head kv_head * group + m % group.
+struct AttentionTask {
+  int64_t seq, kv_head;
+  int64_t token_begin, num_tokens, first_pos;
+  int64_t key_begin, key_end;
+};
+
+// A task's result and its working memory, owned by the calling thread.
+struct TaskBuffers {
+  float* acc;      // [rows, head_dim] out: sum over keys of exp(s - row_max) * v
+  float* row_max;  // [rows] out: the largest score seen (-inf if none)
+  float* row_sum;  // [rows] out: sum over keys of exp(s - row_max)
+  float* alpha;    // [rows] scratch
+  float* scores;   // [rows, kMaxTileKeys] scratch
+  void* query;     // [rows, head_dim] scratch: fp32 (bf16 on the native bf16 dot path)
+  float* k_tile;   // [kMaxTileKeys, head_dim] scratch
+  float* v_tile;   // [kMaxTileKeys, head_dim] scratch
+  const float* zeros;  // [head_dim] zeros: the missing keys of a short tile
+};
+
+using AttendFn = void (*)(const AttentionProblem&, const AttentionTask&, const TaskBuffers&);
+
+// The kernels of one instruction set, one per cache dtype.
+struct IsaKernels {
+  const char* name;
+  int64_t head_dim_multiple;  // head_dim must be a multiple of this (one vector)
+  AttendFn attend_f32, attend_bf16, attend_f16;
+};
+
+// Defined in attention_kernels.cpp. Only kScalarKernels exists off x86-64 GCC; calling the
+// others on a CPU without their instruction set is an illegal instruction, so the driver
+// checks the CPU's flags first.
+extern const IsaKernels kScalarKernels;
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MINI_INFER_X86_KERNELS 1
+extern const IsaKernels kAvx2Kernels, kAvx512Kernels, kAvx512Bf16Kernels;
+#endif
+
+}  // namespace mini_infer

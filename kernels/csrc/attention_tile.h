@@ -1,0 +1,266 @@
+// Flash-attention over a paged KV cache, written once against the vector primitives of
+// vec_*.h and included into one namespace per instruction set by attention_kernels.cpp (so no
+// include guard). One task (attention_kernel.h: AttentionTask) walks its keys a tile of
+// kLanes keys at a time:
+//
+//   KeyCursor         where the tile's keys and values sit in the cache (block table)
+//   tile_scores       scale * q.k for every query row and key of the tile (one vector per row)
+//   softmax_update    causal mask, running max and sum, probabilities (online softmax)
+//   accumulate_values acc = alpha * acc + probabilities @ values
+//
+// Each key and value row is read from memory once per task, for all of its query rows (the
+// GQA group of a decode token; tokens x group for a prefill chunk).
+
+// A position in one sequence's keys of one KV head, walked through its block table.
+struct KeyCursor {
+  int64_t key, block, row;  // key = block_table[block] row `row`
+  KeyCursor(const AttentionProblem& p, int64_t first_key)
+      : key(first_key), block(first_key / p.block_size), row(first_key % p.block_size) {}
+
+  // Element offsets (into k_cache or v_cache) of the next n keys; moves past them.
+  void take(const AttentionProblem& p, const int32_t* table, int64_t kv_head, int n, int64_t* offsets) {
+    for (int r = 0; r < n; ++r) {
+      offsets[r] = table[block] * p.cache_block_stride + row * p.cache_row_stride + kv_head * p.cache_head_stride;
+      if (++row == p.block_size) row = 0, ++block;
+    }
+    key += n;
+  }
+};
+
+// Loops over head_dim run to kHeadDim, a compile-time head_dim (64, 128: fully unrolled, the
+// query row held in registers), or to the runtime head_dim where kHeadDim is 0.
+template <int64_t kHeadDim>
+constexpr int64_t dim(int64_t head_dim) {
+  return kHeadDim ? kHeadDim : head_dim;
+}
+
+// A row as fp32: an fp32 cache row in place, others converted into `buffer`.
+template <int64_t kHeadDim>
+const float* f32_row(const float* row, int64_t, float*) {
+  return row;
+}
+template <int64_t kHeadDim, class T>
+const float* f32_row(const T* row, int64_t head_dim, float* buffer) {
+  for (int64_t d = 0; d < dim<kHeadDim>(head_dim); d += kLanes) vstore(buffer + d, vload(row + d));
+  return buffer;
+}
+
+template <int64_t kHeadDim>
+vfloat vdot(const float* q, const float* k, int64_t head_dim) {
+  vfloat acc = vzero();
+  for (int64_t d = 0; d < dim<kHeadDim>(head_dim); d += kLanes) acc = vfma(vload(q + d), vload(k + d), acc);
+  return acc;
+}
+
+// scores[m][r] = scale * q_m . k_r for the tile's keys; `Row` is float, or bf16_t on the native
+// bf16 path. A tile has kLanes keys: a short one points its missing keys at a row of zeros.
+// One vector of partial sums per key, then one add tree per query row.
+template <int64_t kHeadDim, class Row>
+void tile_scores(const Row* query, int64_t rows, const Row* const* keys, int64_t head_dim, float scale,
+                 float* scores) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const Row* q = query + m * head_dim;
+    vfloat partial[kLanes];
+    for (int r = 0; r < kLanes; ++r) partial[r] = vdot<kHeadDim>(q, keys[r], head_dim);
+    vstore(scores + m * kMaxTileKeys, vmul(vreduce_rows(partial), vset1(scale)));
+  }
+}
+
+// exp(x) = 2^k exp(r), k = round(x log2 e), |r| <= ln(2) / 2, exp(r) by Cephes' expf
+// polynomial (S. Moshier, Cephes Math Library, expf.c); about 1 ulp. 0 below -87.3, -inf
+// included (exp(-87.3) is near the smallest normal float).
+inline vfloat vexp(vfloat x) {
+  const vfloat clamped = vmax(vmin(x, vset1(88.3f)), vset1(-87.3f));
+  const vfloat k = vround(vmul(clamped, vset1(1.44269504f)));
+  vfloat r = vfma(k, vset1(-0.693359375f), clamped);  // ln 2 in two parts: r is exact
+  r = vfma(k, vset1(2.12194440e-4f), r);
+  vfloat poly = vset1(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    poly = vfma(poly, r, vset1(c));
+  const vfloat exp_r = vfma(poly, vmul(r, r), vadd(r, vset1(1.f)));
+  return vzero_below(x, -87.3f, vscale_pow2(exp_r, k));
+}
+
+// Online softmax over one tile (Milakov & Gimelshein 2018, "Online normalizer calculation for
+// softmax"). Row m (token m / group, at position first_pos + m / group) sees the tile's keys up
+// to its own position. Scores become probabilities exp(s - row_max) in place; alpha[m] =
+// exp(old row_max - new row_max) rescales what the earlier tiles accumulated.
+inline void softmax_update(float* scores, int64_t rows, int64_t group, int64_t first_pos, int64_t key0, int n,
+                           float* row_max, float* row_sum, float* alpha) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t m = 0; m < rows; ++m) {
+    const int visible = static_cast<int>(std::clamp<int64_t>(first_pos + m / group - key0 + 1, 0, n));
+    float* s = scores + m * kMaxTileKeys;
+    const vfloat x = vkeep_first(vload(s), visible, neg_inf);
+    const float top = std::max(row_max[m], vreduce_max(x));
+    alpha[m] = top > row_max[m] ? std::exp(row_max[m] - top) : 1.f;
+    if (top == neg_inf) {  // nothing visible yet
+      vstore(s, vzero());
+      continue;
+    }
+    const vfloat prob = vexp(vsub(x, vset1(top)));
+    vstore(s, prob);
+    row_sum[m] = row_sum[m] * alpha[m] + vreduce_add(prob);
+    row_max[m] = top;
+  }
+}
+
+// Whether bf16 values take vec_avx512.h's accumulate_rows_bf16 (which keeps acc's elements in
+// its own order until natural_order()).
+template <class V, int64_t kHeadDim>
+constexpr bool uses_bf16_pairs() {
+#ifdef MINI_INFER_NATIVE_BF16
+  return std::is_same_v<V, bf16_t> && kHeadDim > 0 && kHeadDim % 32 == 0;
+#else
+  return false;
+#endif
+}
+
+// acc[m0 + i] = alpha * acc[m0 + i] + sum_r probs[m0 + i][r] * values[r] for i < kRows, over
+// head_dim: each slice of kLanes values is read once for the kRows accumulators in registers.
+template <int64_t kHeadDim, int kRows, class V>
+void accumulate_rows(const float* probs, const float* alpha, int64_t m0, const V* const* values, int n,
+                     int64_t head_dim, float* acc) {
+#ifdef MINI_INFER_NATIVE_BF16
+  if constexpr (uses_bf16_pairs<V, kHeadDim>())
+    return accumulate_rows_bf16<kRows>(probs, alpha, m0, values, n, kHeadDim, acc);
+#endif
+  for (int64_t d = 0; d < dim<kHeadDim>(head_dim); d += kLanes) {
+    vfloat a[kRows];
+    for (int i = 0; i < kRows; ++i) a[i] = vmul(vload(acc + (m0 + i) * head_dim + d), vset1(alpha[m0 + i]));
+    for (int r = 0; r < n; ++r) {
+      const vfloat v = vload(values[r] + d);
+      for (int i = 0; i < kRows; ++i) a[i] = vfma(vset1(probs[(m0 + i) * kMaxTileKeys + r]), v, a[i]);
+    }
+    for (int i = 0; i < kRows; ++i) vstore(acc + (m0 + i) * head_dim + d, a[i]);
+  }
+}
+
+constexpr int kValueRows = 8;  // query rows per pass over a tile's values
+
+template <int64_t kHeadDim, class V>
+void accumulate_values(const float* probs, const float* alpha, int64_t rows, const V* const* values, int n,
+                       int64_t head_dim, float* acc) {
+  int64_t m0 = 0;
+  for (; m0 + kValueRows <= rows; m0 += kValueRows)
+    accumulate_rows<kHeadDim, kValueRows>(probs, alpha, m0, values, n, head_dim, acc);
+  switch (rows - m0) {
+    case 7: accumulate_rows<kHeadDim, 7>(probs, alpha, m0, values, n, head_dim, acc); break;
+    case 6: accumulate_rows<kHeadDim, 6>(probs, alpha, m0, values, n, head_dim, acc); break;
+    case 5: accumulate_rows<kHeadDim, 5>(probs, alpha, m0, values, n, head_dim, acc); break;
+    case 4: accumulate_rows<kHeadDim, 4>(probs, alpha, m0, values, n, head_dim, acc); break;
+    case 3: accumulate_rows<kHeadDim, 3>(probs, alpha, m0, values, n, head_dim, acc); break;
+    case 2: accumulate_rows<kHeadDim, 2>(probs, alpha, m0, values, n, head_dim, acc); break;
+    case 1: accumulate_rows<kHeadDim, 1>(probs, alpha, m0, values, n, head_dim, acc); break;
+    default: break;
+  }
+}
+
+// The task's query rows (token-major, see AttentionTask) as `Row`s.
+template <class T, class Row>
+void load_queries(const AttentionProblem& p, const AttentionTask& t, Row* rows) {
+  const T* query = static_cast<const T*>(p.query);
+  for (int64_t j = 0; j < t.num_tokens; ++j)
+    for (int64_t g = 0; g < p.group; ++g) {
+      const T* src = query + (t.token_begin + j) * p.query_token_stride + (t.kv_head * p.group + g) * p.query_head_stride;
+      Row* dst = rows + (j * p.group + g) * p.head_dim;
+      if constexpr (std::is_same_v<Row, T>)
+        std::memcpy(dst, src, p.head_dim * sizeof(T));
+      else
+        for (int64_t d = 0; d < p.head_dim; d += kLanes) vstore(dst + d, vload(src + d));
+    }
+}
+
+template <class T, int64_t kHeadDim>
+void prefetch_rows(const void* cache, const int64_t* offsets, int n, int64_t head_dim) {
+  const char* base = static_cast<const char*>(cache);
+  for (int r = 0; r < n; ++r)
+    for (int64_t byte = 0; byte < dim<kHeadDim>(head_dim) * static_cast<int64_t>(sizeof(T)); byte += 64)
+      vprefetch(base + offsets[r] * static_cast<int64_t>(sizeof(T)) + byte);
+}
+
+// Walks the task's keys a tile at a time: fills b.acc, b.row_max and b.row_sum.
+//
+// A sequence's blocks are scattered over the cache, where the hardware prefetchers cannot
+// follow: each tile prefetches the keys of a tile about 4 KiB of keys ahead before its own
+// scores, and that tile's values before its own value pass. (Without prefetch, decode ran at
+// half the speed from DRAM; prefetching keys and values together ran 10-25% slower. On an AMD
+// EPYC, one thread: bf16 at head_dim 64 (2 KiB tiles) ran 7-13% faster two tiles ahead than
+// one, fp32 (4 KiB tiles) 3-5% slower; PREFETCHT1 instead of T0 was slower in both.)
+template <class T, int64_t kHeadDim>
+constexpr int prefetch_tiles_ahead() {
+  return kLanes * (kHeadDim ? kHeadDim : 64) * static_cast<int64_t>(sizeof(T)) < 4096 ? 2 : 1;
+}
+
+template <class T, int64_t kHeadDim>
+void attend_tiles(const AttentionProblem& p, const AttentionTask& t, const TaskBuffers& b) {
+  // Keys stay in the cache's dtype where the dot product takes it natively, else become fp32.
+  using Row = std::conditional_t<std::is_same_v<T, bf16_t> && kNativeBf16Dot, bf16_t, float>;
+  const int64_t rows = t.num_tokens * p.group, head_dim = p.head_dim;
+  Row* query = static_cast<Row*>(b.query);
+  load_queries<T>(p, t, query);
+  std::fill(b.acc, b.acc + rows * head_dim, 0.f);
+  std::fill(b.row_max, b.row_max + rows, -std::numeric_limits<float>::infinity());
+  std::fill(b.row_sum, b.row_sum + rows, 0.f);
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const int32_t* table = p.block_tables + t.seq * p.table_stride;
+  // Offsets and sizes (kLanes keys, fewer at the end, 0 past it) of this tile and the ones up
+  // to the prefetched one: tile i in ring[i % kRing].
+  constexpr int kRing = prefetch_tiles_ahead<T, kHeadDim>() + 1;
+  int64_t ring[kRing][kLanes];
+  int ring_n[kRing];
+  KeyCursor cursor(p, t.key_begin);
+  for (int i = 0; i < kRing; ++i) {
+    ring_n[i] = static_cast<int>(std::clamp<int64_t>(t.key_end - cursor.key, 0, kLanes));
+    cursor.take(p, table, t.kv_head, ring_n[i], ring[i]);
+  }
+  const Row* keys[kLanes];
+  const T* values[kLanes];
+  const float* f32_values[kLanes];
+  std::fill(keys, keys + kLanes, reinterpret_cast<const Row*>(b.zeros));
+  for (int64_t key0 = t.key_begin, tile = 0; key0 < t.key_end; ++tile) {
+    const int64_t* offset = ring[tile % kRing];
+    const int n = ring_n[tile % kRing];
+    for (int r = 0; r < n; ++r) {
+      if constexpr (std::is_same_v<Row, T>)
+        keys[r] = k_cache + offset[r];
+      else
+        keys[r] = f32_row<kHeadDim>(k_cache + offset[r], head_dim, b.k_tile + r * head_dim);
+      values[r] = v_cache + offset[r];
+    }
+    if (n < kLanes) {  // a short tile's missing keys and values: rows of zeros
+      std::fill(keys + n, keys + kLanes, reinterpret_cast<const Row*>(b.zeros));
+      std::fill(values + n, values + kLanes, reinterpret_cast<const T*>(b.zeros));
+    }
+    const int ahead = (tile + kRing - 1) % kRing;
+    prefetch_rows<T, kHeadDim>(p.k_cache, ring[ahead], ring_n[ahead], p.head_dim);
+    tile_scores<kHeadDim>(query, rows, keys, head_dim, p.scale, b.scores);
+    softmax_update(b.scores, rows, p.group, t.first_pos, key0, n, b.row_max, b.row_sum, b.alpha);
+    prefetch_rows<T, kHeadDim>(p.v_cache, ring[ahead], ring_n[ahead], p.head_dim);
+    if (std::is_same_v<T, float> || uses_bf16_pairs<T, kHeadDim>() || rows <= kValueRows) {  // values as they are
+      accumulate_values<kHeadDim>(b.scores, b.alpha, rows, values, n, head_dim, b.acc);
+    } else {  // several passes over the values: convert them once
+      for (int r = 0; r < n; ++r) f32_values[r] = f32_row<kHeadDim>(values[r], head_dim, b.v_tile + r * head_dim);
+      accumulate_values<kHeadDim>(b.scores, b.alpha, rows, f32_values, n, head_dim, b.acc);
+    }
+    key0 += n;
+    // This tile's slot now takes the tile kRing after it.
+    int64_t* slot = ring[tile % kRing];
+    ring_n[tile % kRing] = static_cast<int>(std::clamp<int64_t>(t.key_end - cursor.key, 0, kLanes));
+    cursor.take(p, table, t.kv_head, ring_n[tile % kRing], slot);
+  }
+#ifdef MINI_INFER_NATIVE_BF16
+  if constexpr (uses_bf16_pairs<T, kHeadDim>()) natural_order(b.acc, rows, head_dim);
+#endif
+}
+
+// One task (AttentionTask): fills b.acc, b.row_max and b.row_sum; the caller normalises.
+template <class T>
+void attend(const AttentionProblem& p, const AttentionTask& t, const TaskBuffers& b) {
+  switch (p.head_dim) {  // the common head sizes get unrolled loops
+    case 64: return attend_tiles<T, 64>(p, t, b);
+    case 128: return attend_tiles<T, 128>(p, t, b);
+    default: return attend_tiles<T, 0>(p, t, b);
+  }
+}

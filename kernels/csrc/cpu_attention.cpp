@@ -1,0 +1,336 @@
+// Paged attention on the CPU for a whole flattened batch in one call: decode tokens and prefill
+// chunks alike, reading K and V in place through the block table (no gather, no padding).
+// Same contract as kernels/reference.py's paged_attention. Built at first use by
+// kernels/cpu_attention.py (torch.utils.cpp_extension).
+//
+// This file is the driver: it checks the arguments, picks the kernels of the best instruction
+// set this CPU runs (attention_kernels.cpp), cuts the batch into tasks (attention_kernel.h:
+// AttentionTask) and runs them on torch's intra-op threads:
+//   - a decode token: one task per KV head (its GQA group of query heads together, so K/V is
+//     read once per KV head), or several over its context when there are fewer tasks than
+//     threads (split-K, merged afterwards);
+//   - a prefill chunk: one task per KV head and kPrefillRowsPerTask query rows (tokens x group).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "attention_kernel.h"
+
+namespace {
+
+using mini_infer::AttentionProblem;
+using mini_infer::AttentionTask;
+using mini_infer::IsaKernels;
+using mini_infer::TaskBuffers;
+
+constexpr int64_t kPrefillRowsPerTask = 64;  // query rows (tokens x group) of one prefill task
+constexpr int64_t kTasksPerThread = 4;       // split decode contexts until there are this many
+constexpr int64_t kMinSplitKeys = 256;       // keys of one split, at least
+// Below this many (query row, key) pairs, about 30 us of work, a call runs on one thread: waking
+// the others costs more (ATen's at::internal::GRAIN_SIZE is the same number of elements).
+constexpr int64_t kMinParallelWork = 32768;
+
+// ---------------------------------------------------------------- instruction sets
+
+struct IsaEntry {
+  const IsaKernels* kernels;
+  bool supported;  // by this CPU (and its OS, which must save the vector registers)
+};
+
+// Best first. __builtin_cpu_supports also checks that the OS enables the registers (XCR0).
+const std::vector<IsaEntry>& isa_entries() {
+#ifdef MINI_INFER_X86_KERNELS
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
+  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
+  static const std::vector<IsaEntry> entries = {
+      {&mini_infer::kAvx512Bf16Kernels,
+       avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16")},
+      {&mini_infer::kAvx512Kernels, avx512},
+      {&mini_infer::kAvx2Kernels, avx2},
+      {&mini_infer::kScalarKernels, true}};
+#else
+  static const std::vector<IsaEntry> entries = {{&mini_infer::kScalarKernels, true}};
+#endif
+  return entries;
+}
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> names;
+  for (const auto& entry : isa_entries())
+    if (entry.supported) names.emplace_back(entry.kernels->name);
+  return names;
+}
+
+// `isa` by name, or "auto": the best one this CPU runs at this head_dim.
+const IsaKernels& select_kernels(const std::string& isa, int64_t head_dim) {
+  for (const auto& entry : isa_entries()) {
+    const IsaKernels& k = *entry.kernels;
+    if (isa == "auto") {
+      if (entry.supported && head_dim % k.head_dim_multiple == 0) return k;
+    } else if (isa == k.name) {
+      TORCH_CHECK(entry.supported, "paged_attention: this CPU cannot run the '", isa, "' kernels");
+      TORCH_CHECK(head_dim % k.head_dim_multiple == 0, "paged_attention: the '", isa,
+                  "' kernels need head_dim a multiple of ", k.head_dim_multiple, "; got ", head_dim);
+      return k;
+    }
+  }
+  TORCH_CHECK(false, "paged_attention: unknown isa '", isa, "' (the isa argument or $MINI_INFER_CPU_ISA); this CPU runs: ",
+              c10::Join(", ", supported_isas()));
+}
+
+// The kernels `isa` ("auto" or a name) runs at head_dim; errors as select_kernels.
+std::string selected_isa(int64_t head_dim, const std::string& isa) { return select_kernels(isa, head_dim).name; }
+
+// ---------------------------------------------------------------- planning
+
+struct Work {
+  AttentionTask task;
+  int64_t partial;  // split-K slot of its result, or -1: the result is final
+  int64_t cost;     // query rows x keys
+};
+
+// The splits of one decode token's context, for one KV head.
+struct SplitGroup {
+  int64_t token, kv_head, first_partial, num_partials;
+};
+
+struct Plan {
+  std::vector<Work> work;  // costliest first
+  std::vector<SplitGroup> splits;
+  int64_t num_partials = 0;
+  int64_t max_rows = 0;
+  int64_t total_cost = 0;
+};
+
+struct BatchShape {
+  const int32_t* query_start_loc;  // [num_seqs + 1]
+  const int32_t* seq_lens;         // [num_seqs]
+  int64_t num_seqs, num_tokens, num_kv_heads, num_blocks;
+};
+
+// Every sequence's query range and the block-table entries it will read, checked, so that no
+// kernel reads outside the cache.
+void check_batch(const BatchShape& s, const AttentionProblem& p) {
+  TORCH_CHECK(s.query_start_loc[0] == 0, "paged_attention: query_start_loc[0] must be 0");
+  TORCH_CHECK(s.query_start_loc[s.num_seqs] <= s.num_tokens, "paged_attention: query_start_loc[-1] = ",
+              s.query_start_loc[s.num_seqs], " exceeds the ", s.num_tokens, " query tokens");
+  for (int64_t i = 0; i < s.num_seqs; ++i) {
+    const int64_t query_len = s.query_start_loc[i + 1] - s.query_start_loc[i], len = s.seq_lens[i];
+    TORCH_CHECK(query_len >= 0 && query_len <= len, "paged_attention: sequence ", i, " has ", query_len,
+                " query tokens but seq_lens[", i, "] = ", len);
+    if (query_len == 0) continue;
+    const int64_t blocks = (len + p.block_size - 1) / p.block_size;
+    TORCH_CHECK(blocks <= p.table_stride, "paged_attention: sequence ", i, " needs ", blocks,
+                " blocks; block_tables has ", p.table_stride, " columns");
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t block = p.block_tables[i * p.table_stride + b];
+      TORCH_CHECK(block >= 0 && block < s.num_blocks, "paged_attention: block_tables[", i, "][", b, "] = ", block,
+                  " is outside the cache's ", s.num_blocks, " blocks");
+    }
+  }
+}
+
+// Decode contexts are split when the batch has fewer tasks than kTasksPerThread per thread;
+// `forced_splits` > 0 overrides that (tests).
+int64_t decode_splits(int64_t len, int64_t num_tasks, int64_t threads, int64_t forced_splits) {
+  if (forced_splits > 0) return std::min(forced_splits, len);
+  const int64_t wanted = (kTasksPerThread * threads + num_tasks - 1) / num_tasks;
+  return std::max<int64_t>(1, std::min(wanted, len / kMinSplitKeys));
+}
+
+void add_decode(Plan& plan, int64_t seq, int64_t token, int64_t len, int64_t kv_head, int64_t group, int64_t splits) {
+  const int64_t tile = mini_infer::kMaxTileKeys;
+  const int64_t chunk = ((len + splits - 1) / splits + tile - 1) / tile * tile;
+  const int64_t parts = (len + chunk - 1) / chunk;
+  if (parts > 1) plan.splits.push_back({token, kv_head, plan.num_partials, parts});
+  for (int64_t key = 0; key < len; key += chunk) {
+    const int64_t end = std::min(len, key + chunk);
+    plan.work.push_back({{seq, kv_head, token, 1, len - 1, key, end}, parts > 1 ? plan.num_partials++ : -1,
+                         group * (end - key)});
+  }
+}
+
+void add_prefill(Plan& plan, int64_t seq, int64_t token_begin, int64_t query_len, int64_t len, int64_t kv_head,
+                 int64_t group) {
+  const int64_t tokens_per_task = std::max<int64_t>(1, kPrefillRowsPerTask / group);
+  for (int64_t j = 0; j < query_len; j += tokens_per_task) {
+    const int64_t num_tokens = std::min(tokens_per_task, query_len - j), first_pos = len - query_len + j;
+    plan.work.push_back({{seq, kv_head, token_begin + j, num_tokens, first_pos, 0, first_pos + num_tokens}, -1,
+                         num_tokens * group * (first_pos + num_tokens)});
+  }
+}
+
+Plan plan_work(const BatchShape& s, int64_t group, int64_t forced_splits) {
+  int64_t tasks = 0;  // without splits
+  const int64_t tokens_per_task = std::max<int64_t>(1, kPrefillRowsPerTask / group);
+  for (int64_t i = 0; i < s.num_seqs; ++i)
+    tasks += s.num_kv_heads * ((s.query_start_loc[i + 1] - s.query_start_loc[i] + tokens_per_task - 1) / tokens_per_task);
+  Plan plan;
+  const int64_t threads = at::get_num_threads();
+  for (int64_t i = 0; i < s.num_seqs; ++i) {
+    const int64_t token = s.query_start_loc[i], query_len = s.query_start_loc[i + 1] - token, len = s.seq_lens[i];
+    for (int64_t h = 0; h < s.num_kv_heads && query_len > 0; ++h) {
+      if (query_len == 1)
+        add_decode(plan, i, token, len, h, group, decode_splits(len, tasks, threads, forced_splits));
+      else
+        add_prefill(plan, i, token, query_len, len, h, group);
+    }
+    plan.max_rows = std::max(plan.max_rows, std::min(query_len, tokens_per_task) * group);
+  }
+  std::stable_sort(plan.work.begin(), plan.work.end(), [](const Work& a, const Work& b) { return a.cost > b.cost; });
+  for (const Work& w : plan.work) plan.total_cost += w.cost;
+  return plan;
+}
+
+// ---------------------------------------------------------------- running
+
+// One thread's TaskBuffers, for tasks of up to `rows` query rows.
+class ThreadBuffers {
+ public:
+  ThreadBuffers(int64_t rows, int64_t head_dim) {
+    const int64_t tile = mini_infer::kMaxTileKeys;
+    storage_.resize(rows * head_dim * 2 + rows * (3 + tile) + (2 * tile + 1) * head_dim);
+    float* next = storage_.data();
+    auto take = [&next](int64_t n) { float* out = next; next += n; return out; };
+    view_ = {take(rows * head_dim), take(rows), take(rows), take(rows), take(rows * tile),
+             take(rows * head_dim), take(tile * head_dim), take(tile * head_dim), take(head_dim)};
+  }
+  const TaskBuffers& view() const { return view_; }
+
+ private:
+  std::vector<float> storage_;
+  TaskBuffers view_;
+};
+
+// Split-K partial results: per slot and query row, head_dim accumulator values, max, sum.
+struct Partials {
+  float* data;
+  int64_t group, head_dim;
+  float* row(int64_t slot, int64_t m) const { return data + (slot * group + m) * (head_dim + 2); }
+};
+
+template <class scalar_t>
+struct Output {
+  scalar_t* data;
+  int64_t token_stride, head_stride;
+  scalar_t* row(int64_t token, int64_t head) const { return data + token * token_stride + head * head_stride; }
+};
+
+// A finished task's rows: normalised into the output, or kept whole for the split-K merge.
+template <class scalar_t>
+void store_result(const Work& w, const TaskBuffers& b, const Output<scalar_t>& out, const Partials& partials) {
+  const int64_t group = partials.group, head_dim = partials.head_dim;
+  for (int64_t m = 0; m < w.task.num_tokens * group; ++m) {
+    const float* acc = b.acc + m * head_dim;
+    if (w.partial >= 0) {
+      float* dst = partials.row(w.partial, m);
+      std::copy(acc, acc + head_dim, dst);
+      dst[head_dim] = b.row_max[m], dst[head_dim + 1] = b.row_sum[m];
+      continue;
+    }
+    scalar_t* dst = out.row(w.task.token_begin + m / group, w.task.kv_head * group + m % group);
+    const float inv_sum = 1.f / b.row_sum[m];
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv_sum);
+  }
+}
+
+// The splits of one decode token and KV head, combined: each split's accumulator and sum
+// weighted by exp(its max - the overall max).
+template <class scalar_t>
+void merge_splits(const SplitGroup& s, const Output<scalar_t>& out, const Partials& partials, float* acc) {
+  const int64_t head_dim = partials.head_dim;
+  for (int64_t g = 0; g < partials.group; ++g) {
+    float top = -std::numeric_limits<float>::infinity(), sum = 0.f;
+    for (int64_t i = 0; i < s.num_partials; ++i) top = std::max(top, partials.row(s.first_partial + i, g)[head_dim]);
+    std::fill(acc, acc + head_dim, 0.f);
+    for (int64_t i = 0; i < s.num_partials; ++i) {
+      const float* part = partials.row(s.first_partial + i, g);
+      const float weight = std::exp(part[head_dim] - top);
+      sum += weight * part[head_dim + 1];
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += weight * part[d];
+    }
+    scalar_t* dst = out.row(s.token, s.kv_head * partials.group + g);
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d] / sum);
+  }
+}
+
+template <class scalar_t>
+void run_plan(const Plan& plan, const AttentionProblem& problem, mini_infer::AttendFn attend, torch::Tensor& out) {
+  const Output<scalar_t> output{out.data_ptr<scalar_t>(), out.stride(0), out.stride(1)};
+  auto partial_storage = torch::empty({plan.num_partials * problem.group * (problem.head_dim + 2)},
+                                      torch::dtype(torch::kFloat32));
+  const Partials partials{partial_storage.data_ptr<float>(), problem.group, problem.head_dim};
+  const int64_t num_work = static_cast<int64_t>(plan.work.size());
+  const int64_t workers = plan.total_cost < kMinParallelWork ? 1 : std::min<int64_t>(at::get_num_threads(), num_work);
+  std::atomic<int64_t> next{0};  // tasks are taken in order, costliest first, by whichever thread is free
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    const ThreadBuffers buffers(plan.max_rows, problem.head_dim);
+    for (int64_t i = next++; i < num_work; i = next++) {
+      attend(problem, plan.work[i].task, buffers.view());
+      store_result(plan.work[i], buffers.view(), output, partials);
+    }
+  });
+  // Contexts are split only when there are few tasks (kTasksPerThread per thread): a few merges.
+  std::vector<float> acc(problem.head_dim);
+  for (const SplitGroup& split : plan.splits) merge_splits(split, output, partials, acc.data());
+}
+
+}  // namespace
+
+// query: [num_tokens, num_heads, head_dim]; returns the same shape and dtype. `isa`: "auto" or
+// one of supported_isas(); `num_splits` > 0 splits every decode context that many ways (tests).
+torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
+                              const torch::Tensor& seq_lens, double scale, const std::string& isa,
+                              int64_t num_splits) {
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "paged_attention: CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "paged_attention: query [T, H, D], cache [N, B, KVH, D]");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_attention: query and caches must share a dtype");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "paged_attention: k_cache and v_cache differ in shape or strides");
+  TORCH_CHECK(query.stride(2) == 1 && k_cache.stride(3) == 1, "paged_attention: head_dim must be contiguous");
+  TORCH_CHECK(query.size(2) == k_cache.size(3), "paged_attention: query and cache head_dim differ");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "paged_attention: num_heads % num_kv_heads != 0");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt32 &&
+                  query_start_loc.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
+              "paged_attention: block_tables [S, max_blocks], query_start_loc and seq_lens must be int32");
+  TORCH_CHECK(query_start_loc.numel() == seq_lens.numel() + 1 && block_tables.size(0) >= seq_lens.numel(),
+              "paged_attention: query_start_loc needs num_seqs + 1 entries and block_tables num_seqs rows");
+  const auto tables = block_tables.contiguous(), starts = query_start_loc.contiguous(), lens = seq_lens.contiguous();
+  const int64_t head_dim = query.size(2), group = query.size(1) / k_cache.size(2);
+  const AttentionProblem problem{query.data_ptr(), query.stride(0), query.stride(1),
+                                 k_cache.data_ptr(), v_cache.data_ptr(),
+                                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                 tables.data_ptr<int32_t>(), tables.size(1),
+                                 k_cache.size(1), head_dim, group, static_cast<float>(scale)};
+  const BatchShape shape{starts.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), lens.numel(), query.size(0),
+                         k_cache.size(2), k_cache.size(0)};
+  check_batch(shape, problem);
+  const IsaKernels& kernels = select_kernels(isa, head_dim);
+  const Plan plan = plan_work(shape, group, num_splits);
+  auto out = torch::empty_like(query);
+  switch (query.scalar_type()) {
+    case torch::kFloat32: run_plan<float>(plan, problem, kernels.attend_f32, out); break;
+    case torch::kBFloat16: run_plan<c10::BFloat16>(plan, problem, kernels.attend_bf16, out); break;
+    case torch::kHalf: run_plan<c10::Half>(plan, problem, kernels.attend_f16, out); break;
+    default: TORCH_CHECK(false, "paged_attention: dtype must be float32, bfloat16 or float16; got ", query.scalar_type());
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "Paged causal attention on the CPU (decode tokens and prefill chunks)",
+        py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("isa") = "auto", py::arg("num_splits") = 0);
+  m.def("supported_isas", &supported_isas, "Instruction sets this CPU runs, best first");
+  m.def("selected_isa", &selected_isa, "The instruction set a call with `isa` runs at a head_dim", py::arg("head_dim"),
+        py::arg("isa") = "auto");
+}

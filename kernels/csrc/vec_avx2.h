@@ -1,0 +1,71 @@
+// AVX2 + FMA + F16C vector primitives: 8 fp32 lanes. Same names as vec_scalar.h; included
+// into a namespace compiled for those instruction sets (no include guard).
+using vfloat = __m256;
+constexpr int kLanes = 8;
+constexpr bool kNativeBf16Dot = false;
+
+inline vfloat vzero() { return _mm256_setzero_ps(); }
+inline vfloat vset1(float x) { return _mm256_set1_ps(x); }
+inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vfloat vload(const bf16_t* p) {  // bf16 is the top half of an fp32
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline vfloat vload(const fp16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+
+inline float vreduce_add(vfloat v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+inline float vreduce_max(vfloat v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+inline vfloat vkeep_first(vfloat v, int n, float fill) {
+  const __m256 keep = _mm256_castsi256_ps(
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+  return _mm256_blendv_ps(_mm256_set1_ps(fill), v, keep);
+}
+
+inline vfloat vmin(vfloat a, vfloat b) { return _mm256_min_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
+inline vfloat vround(vfloat x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// y * 2^k for integral k in [-127, 127]: k added to the exponent field.
+inline vfloat vscale_pow2(vfloat y, vfloat k) {
+  const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(two_k));
+}
+// y, with 0 in the lanes where x < limit.
+inline vfloat vzero_below(vfloat x, float limit, vfloat y) {
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(limit), _CMP_LT_OQ), y);
+}
+
+// Lane r = the sum of the lanes of rows[r], r < 8: a transposing add tree (21 instructions
+// instead of 8 horizontal sums).
+inline vfloat vreduce_rows(const vfloat* rows) {
+  __m256 pairs[4], quads[2];
+  for (int i = 0; i < 4; ++i)  // [a0+a2 b0+b2 a1+a3 b1+b3] per 128-bit half
+    pairs[i] = _mm256_add_ps(_mm256_unpacklo_ps(rows[2 * i], rows[2 * i + 1]),
+                             _mm256_unpackhi_ps(rows[2 * i], rows[2 * i + 1]));
+  for (int i = 0; i < 2; ++i) {  // [a b c d] per half, each a half's sum
+    const __m256d x = _mm256_castps_pd(pairs[2 * i]), y = _mm256_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
+                       _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+}
+
+// An asm statement, not _mm_prefetch: GCC deems __builtin_prefetch free of side effects and
+// deleted every call of a function that does nothing but prefetch.
+inline void vprefetch(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }

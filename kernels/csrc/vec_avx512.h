@@ -1,0 +1,131 @@
+// AVX-512F vector primitives: 16 fp32 lanes. Same names as vec_scalar.h; included into a
+// namespace compiled for AVX-512F (no include guard). With MINI_INFER_NATIVE_BF16 defined
+// (the namespace is also compiled for AVX512_BF16) bf16 dot products use vdpbf16ps.
+using vfloat = __m512;
+constexpr int kLanes = 16;
+
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
+inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vfloat vload(const bf16_t* p) {  // bf16 is the top half of an fp32
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline vfloat vload(const fp16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vreduce_add(vfloat v) { return _mm512_reduce_add_ps(v); }
+inline float vreduce_max(vfloat v) { return _mm512_reduce_max_ps(v); }
+
+inline vfloat vkeep_first(vfloat v, int n, float fill) {
+  const __mmask16 keep = static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << (n > 0 ? n : 0)) - 1);
+  return _mm512_mask_mov_ps(_mm512_set1_ps(fill), keep, v);
+}
+
+inline vfloat vmin(vfloat a, vfloat b) { return _mm512_min_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
+inline vfloat vround(vfloat x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vfloat vscale_pow2(vfloat y, vfloat k) { return _mm512_scalef_ps(y, k); }  // y * 2^k
+// y, with 0 in the lanes where x < limit.
+inline vfloat vzero_below(vfloat x, float limit, vfloat y) {
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_LT_OQ)), y);
+}
+
+// Lane r = the sum of the lanes of rows[r], r < 16: a transposing add tree (45 instructions
+// instead of 16 horizontal sums of 8 each).
+inline vfloat vreduce_rows(const vfloat* rows) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i)  // [a0+a2 b0+b2 a1+a3 b1+b3] per 128-bit lane
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(rows[2 * i], rows[2 * i + 1]),
+                             _mm512_unpackhi_ps(rows[2 * i], rows[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // [a b c d] per 128-bit lane, each that lane's sum
+    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // lanes: [q0 lanes 0+1, q0 lanes 2+3, q1 lanes 0+1, q1 lanes 2+3]
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xdd));
+}
+
+// An asm statement, not _mm_prefetch: GCC deems __builtin_prefetch free of side effects and
+// deleted every call of a function that does nothing but prefetch.
+inline void vprefetch(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
+
+#ifdef MINI_INFER_NATIVE_BF16
+constexpr bool kNativeBf16Dot = true;
+
+// Lanes whose sum is q.k over head_dim (a multiple of 16; kHeadDim when not 0): vdpbf16ps
+// multiplies bf16 pairs exactly and accumulates in fp32.
+template <int64_t kHeadDim>
+vfloat vdot(const bf16_t* q, const bf16_t* k, int64_t runtime_head_dim) {
+  const int64_t head_dim = kHeadDim ? kHeadDim : runtime_head_dim;
+  __m512 acc = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 32 <= head_dim; d += 32)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
+  if (d < head_dim) {  // 16 left: the upper half of both operands zero
+    const __m256i q_half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + d));
+    const __m256i k_half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + d));
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_inserti64x4(_mm512_setzero_si512(), q_half, 0),
+                           (__m512bh)_mm512_inserti64x4(_mm512_setzero_si512(), k_half, 0));
+  }
+  return acc;
+}
+
+// P @ V with vdpbf16ps, two value rows per instruction: probabilities rounded to bf16 (as flash
+// attention rounds them before P @ V), products exact, sums fp32. unpacklo/hi_epi16 of rows r
+// and r + 1 pair the elements {0-3, 8-11, 16-19, 24-27} and {4-7, 12-15, 20-23, 28-31} of
+// each 32; the accumulator keeps that order until natural_order() at the end of the task.
+// head_dim a multiple of 32.
+template <int kRows>
+void accumulate_rows_bf16(const float* probs, const float* alpha, int64_t m0, const bf16_t* const* values, int n,
+                          int64_t head_dim, float* acc) {
+  alignas(64) uint32_t pairs[kRows][kMaxTileKeys / 2];  // bf16(p[2j]) | bf16(p[2j + 1]) << 16
+  for (int i = 0; i < kRows; ++i)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[i]),
+                       (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(probs + (m0 + i) * kMaxTileKeys)));
+  for (int64_t d = 0; d < head_dim; d += 32) {
+    __m512 lo[kRows], hi[kRows];
+    for (int i = 0; i < kRows; ++i) {
+      const __m512 scale = _mm512_set1_ps(alpha[m0 + i]);
+      lo[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (m0 + i) * head_dim + d), scale);
+      hi[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (m0 + i) * head_dim + d + 16), scale);
+    }
+    for (int r = 0; r < n; r += 2) {  // values[n] is a row of zeros when n is odd
+      const __m512i a = _mm512_loadu_si512(values[r] + d), b = _mm512_loadu_si512(values[r + 1] + d);
+      const __m512bh pair_lo = (__m512bh)_mm512_unpacklo_epi16(a, b), pair_hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (int i = 0; i < kRows; ++i) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[i][r / 2]));
+        lo[i] = _mm512_dpbf16_ps(lo[i], p, pair_lo);
+        hi[i] = _mm512_dpbf16_ps(hi[i], p, pair_hi);
+      }
+    }
+    for (int i = 0; i < kRows; ++i) {
+      _mm512_storeu_ps(acc + (m0 + i) * head_dim + d, lo[i]);
+      _mm512_storeu_ps(acc + (m0 + i) * head_dim + d + 16, hi[i]);
+    }
+  }
+}
+
+// accumulate_rows_bf16's element order back to the natural one, over `rows` rows of acc.
+inline void natural_order(float* acc, int64_t rows, int64_t head_dim) {
+  // Element e < 16 of the 32 comes from lo lane (e / 8) * 4 + e % 4 if e % 8 < 4, else from hi
+  // (index 16 +) lane (e / 8) * 4 + e % 4; likewise for e >= 16 with lanes 8-15.
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t d = 0; d < head_dim; d += 32) {
+      float* chunk = acc + m * head_dim + d;
+      const __m512 lo = _mm512_loadu_ps(chunk), hi = _mm512_loadu_ps(chunk + 16);
+      _mm512_storeu_ps(chunk, _mm512_permutex2var_ps(lo, first, hi));
+      _mm512_storeu_ps(chunk + 16, _mm512_permutex2var_ps(lo, second, hi));
+    }
+}
+#else
+constexpr bool kNativeBf16Dot = false;
+#endif

@@ -1,0 +1,205 @@
+"""Structured outputs and tool calls over HTTP, through the official ``openai`` client:
+``response_format`` (json_schema, json_object), vLLM's ``structured_outputs`` and its
+``guided_*`` aliases, ``tools`` with ``tool_choice`` required / named / auto, streamed and
+not; bad constraints are 400s naming the field, streamed or not, before any SSE byte."""
+import json
+import re
+
+import jsonschema
+import pytest
+import requests
+
+from app.tool_calls import ToolCallStream, ToolMode, final_message
+from tests.app.conftest import MODEL
+
+WEATHER = {"type": "object",
+           "properties": {"city": {"type": "string", "maxLength": 20},
+                          "unit": {"enum": ["celsius", "fahrenheit"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "unit", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 20}},
+        "required": ["timezone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather forecast.",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time now.",
+                                           "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+CAT = "Describe a cat as a small JSON object with keys name and age."
+QUESTION = [{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}]
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                  "minItems": 1, "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+def _chat(client, stream: bool, **kwargs):
+    """A chat completion through the openai client: ``(message-like dict, finish_reason)``,
+    the stream's deltas put back together the way OpenAI's documentation does."""
+    kwargs = {"model": MODEL, "messages": QUESTION, "max_tokens": 200, **kwargs}
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                 for c in choice.message.tool_calls or []]
+        return {"content": choice.message.content, "tool_calls": calls}, choice.finish_reason
+    content, calls, finish_reason = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            entry = calls.setdefault(call.index, {"id": call.id, "name": None, "arguments": ""})
+            entry["name"] = entry["name"] or call.function.name
+            entry["arguments"] += call.function.arguments or ""
+        finish_reason = chunk.choices[0].finish_reason or finish_reason
+    return {"content": content or None, "tool_calls": [calls[i] for i in sorted(calls)]}, finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_response_format_json_schema_and_json_object(client, stream):
+    for seed in range(3):
+        message, finish_reason = _chat(client, stream, messages=[{"role": "user", "content": "A person as JSON."}],
+                                       temperature=1.0, seed=seed, response_format={
+                                           "type": "json_schema",
+                                           "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+        assert finish_reason == "stop"
+        jsonschema.validate(json.loads(message["content"]), PERSON)
+    message, finish_reason = _chat(client, stream, messages=[{"role": "user", "content": CAT}],
+                                   temperature=0, response_format={"type": "json_object"})
+    assert finish_reason == "stop" and isinstance(json.loads(message["content"]), dict)
+
+
+@pytest.mark.parametrize("field, value, check", [
+    ("structured_outputs", {"regex": r"\d{3}-\d{4}"}, lambda t: re.fullmatch(r"\d{3}-\d{4}", t)),
+    ("structured_outputs", {"choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+    ("structured_outputs", {"json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+    ("structured_outputs", {"grammar": 'root ::= ("ab" | "cd") ("ab" | "cd")? "!"'},
+     lambda t: re.fullmatch(r"(ab|cd){1,2}!", t)),
+    ("guided_regex", r"[a-z]{5}", lambda t: re.fullmatch(r"[a-z]{5}", t)),
+    ("guided_choice", ["red", "blue"], lambda t: t in ("red", "blue")),
+    ("guided_json", PERSON, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+    ("guided_grammar", 'root ::= [0-9] [0-9]? "." [0-9]', lambda t: re.fullmatch(r"[0-9]{1,2}\.[0-9]", t)),
+])
+def test_vllm_constraints_on_completions(client, field, value, check):
+    for seed in range(2):
+        completion = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=100, temperature=1.0,
+                                               seed=seed, extra_body={field: value})
+        text = completion.choices[0].text
+        assert completion.choices[0].finish_reason == "stop" and check(text), text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tool_choice_required_and_named(client, stream):
+    # parallel_tool_calls false: one call (this 135M model, greedy, repeats calls without end)
+    for tool_choice in ["required", {"type": "function", "function": {"name": "get_time"}}]:
+        message, finish_reason = _chat(client, stream, tools=TOOLS, tool_choice=tool_choice, temperature=0,
+                                       parallel_tool_calls=False)
+        assert finish_reason == "tool_calls" and message["content"] is None
+        assert message["tool_calls"], message
+        for call in message["tool_calls"]:
+            assert call["id"].startswith("call_")
+            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        if isinstance(tool_choice, dict):
+            assert [c["name"] for c in message["tool_calls"]] == ["get_time"]
+        assert len(message["tool_calls"]) == 1
+    for seed in range(3):  # sampled, several calls allowed
+        message, finish_reason = _chat(client, stream, tools=TOOLS, tool_choice="required", temperature=1.0,
+                                       seed=seed, max_tokens=300)
+        assert finish_reason in ("tool_calls", "length") and message["content"] is None
+        assert len(message["tool_calls"]) >= 1
+        # Cut by max_tokens (more calls than it holds), the last call's arguments are cut too.
+        for call in message["tool_calls"][:-1] if finish_reason == "length" else message["tool_calls"]:
+            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+def test_auto_and_none_and_a_conversation_with_tool_results(client):
+    # The conversation carries an assistant call and its result; the model answers in text.
+    history = [*QUESTION,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather",
+                                 "arguments": '{"city": "Paris", "unit": "celsius", "days": 3}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"forecast": "sunny, 24 C"}'}]
+    for tool_choice in ["auto", "none"]:
+        message, finish_reason = _chat(client, False, messages=history, tools=TOOLS, tool_choice=tool_choice,
+                                       temperature=0, max_tokens=30)
+        assert finish_reason in ("stop", "length", "tool_calls")
+        assert message["content"] or message["tool_calls"]
+    # Greedy, whole and streamed agree (what auto parses is the same text either way).
+    whole = _chat(client, False, tools=TOOLS, temperature=0, max_tokens=60)
+    streamed = _chat(client, True, tools=TOOLS, temperature=0, max_tokens=60)
+    assert [(c["name"], c["arguments"]) for c in whole[0]["tool_calls"]] == \
+        [(c["name"], c["arguments"]) for c in streamed[0]["tool_calls"]]
+    assert whole[0]["content"] == streamed[0]["content"] and whole[1] == streamed[1]
+
+
+def test_hermes_blocks_in_a_reply_become_tool_calls():
+    text = 'Let me check.<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>'
+    message = final_message(ToolMode("auto"), text)
+    assert message["content"] == "Let me check."
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == \
+        [("get_time", '{"timezone": "UTC"}')]
+    # Streamed in pieces of any size: the same content and call, the tag never leaks.
+    for size in (1, 4, 11):
+        stream = ToolCallStream(ToolMode("auto"))
+        deltas = [stream.delta(text[i:i + size], i + size >= len(text)) for i in range(0, len(text), size)]
+        assert "".join(d.get("content", "") for d in deltas) == "Let me check."
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+            [("get_time", '{"timezone": "UTC"}')]
+    # Not a call: stays content.
+    assert final_message(ToolMode("auto"), "<tool_call>not json</tool_call>")["content"] == \
+        "<tool_call>not json</tool_call>"
+
+
+def test_required_calls_are_cut_from_the_stream_as_they_arrive():
+    text = '[{"name": "get_time", "parameters": {"timezone": "A\\"}"}}, {"name":"get_weather","parameters":{}}]'
+    for size in (1, 3, 50):
+        stream = ToolCallStream(ToolMode("required"))
+        calls: dict[int, dict] = {}
+        for i in range(0, len(text), size):
+            for item in stream.delta(text[i:i + size], False).get("tool_calls", []):
+                entry = calls.setdefault(item["index"], {"name": item["function"].get("name"), "arguments": ""})
+                entry["arguments"] += item["function"]["arguments"]
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+            [("get_time", '{"timezone": "A\\"}"}'), ("get_weather", "{}")]
+    assert [c["function"]["arguments"] for c in final_message(ToolMode("required"), text)["tool_calls"]] == \
+        ['{"timezone": "A\\"}"}', "{}"]
+    cut = final_message(ToolMode("required"), text[:text.index("{}}]") + 1])  # cut by max_tokens: as streamed
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in cut["tool_calls"]] == \
+        [("get_time", '{"timezone": "A\\"}"}'), ("get_weather", "{")]
+    assert cut["content"] is None
+
+
+BAD = [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ("/v1/completions", {"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ("/v1/completions", {"structured_outputs": {"grammar": "root ::= nowhere"}}, "structured_outputs.grammar"),
+    ("/v1/completions", {"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs.json"),
+    ("/v1/completions", {"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ("/v1/completions", {"guided_regex": "[a-"}, "guided_regex"),
+    ("/v1/completions", {"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools[0].function.parameters"),
+]
+
+
+@pytest.mark.parametrize("path, fields, param", BAD, ids=[b[2] + str(i) for i, b in enumerate(BAD)])
+def test_a_bad_constraint_is_a_400_naming_the_field_streamed_or_not(api, path, fields, param):
+    base = {"model": MODEL, "max_tokens": 5,
+            **({"prompt": "x"} if path == "/v1/completions" else {"messages": QUESTION})}
+    for stream in (False, True):
+        response = requests.post(api.url + path, json={**base, **fields, "stream": stream}, timeout=60)
+        assert response.status_code == 400, response.text
+        assert response.headers["content-type"].startswith("application/json")
+        assert response.json()["error"]["param"] == param, response.text

@@ -1,0 +1,64 @@
+"""``scripts/serve_run.py`` (``make run``'s command) turns SIGTERM into one SIGINT for ``serve
+run``, also when it was started with SIGINT ignored (in the background of a non-interactive
+shell). A stand-in ``serve`` beside the Python that runs the wrapper records what it gets, so
+no Ray is started."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+WRAPPER = Path(__file__).resolve().parents[1] / "scripts" / "serve_run.py"
+
+FAKE_SERVE = textwrap.dedent(f"""\
+    #!{sys.executable}
+    import os, sys, time
+    try:
+        print(os.getpid(), "args", sys.argv[1:], flush=True)
+        while True:
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt: shutting down", flush=True)
+        sys.exit(3)
+""")
+
+
+def _start(tmp_path: Path, ignore_sigint: bool) -> subprocess.Popen:
+    (tmp_path / "python").symlink_to(sys.executable)
+    serve = tmp_path / "serve"
+    serve.write_text(FAKE_SERVE)
+    serve.chmod(0o755)
+
+    def before_exec() -> None:
+        if ignore_sigint:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    return subprocess.Popen([str(tmp_path / "python"), str(WRAPPER), "app:deployment", "--port", "8123"],
+                            stdout=subprocess.PIPE, text=True, preexec_fn=before_exec)
+
+
+def _stop_with_sigterm(wrapper: subprocess.Popen) -> tuple[int, list[str]]:
+    """SIGTERM to the wrapper once the stand-in runs; returns the wrapper's exit status and
+    the stand-in's lines (its pid left out)."""
+    pid, first = wrapper.stdout.readline().split(" ", 1)
+    wrapper.send_signal(signal.SIGTERM)
+    try:
+        rest, _ = wrapper.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        for process in (int(pid), wrapper.pid):  # the stand-in runs in a session of its own
+            os.kill(process, signal.SIGKILL)
+        wrapper.wait()
+        raise AssertionError("serve_run.py's SIGTERM did not stop serve run in 20 s") from None
+    return wrapper.returncode, [first.strip(), *rest.splitlines()]
+
+
+def test_sigterm_reaches_serve_run_as_one_sigint(tmp_path):
+    returncode, lines = _stop_with_sigterm(_start(tmp_path, ignore_sigint=False))
+    assert lines == ["args ['run', 'app:deployment', '--port', '8123']", "KeyboardInterrupt: shutting down"]
+    assert returncode == 3  # serve run's own status
+
+
+def test_sigterm_stops_serve_run_when_started_with_sigint_ignored(tmp_path):
+    returncode, lines = _stop_with_sigterm(_start(tmp_path, ignore_sigint=True))
+    assert lines[-1] == "KeyboardInterrupt: shutting down" and returncode == 3
