@@ -18,6 +18,7 @@ from app.engine_server import EngineServer
 from app.errors import RETRY_AFTER_S
 from app.ingress import OpenAIIngress
 from app.router import PrefixAwareRouter
+from engine.threads import wait_policy_env
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -63,9 +64,11 @@ def request_router_config(config: AppConfig) -> RequestRouterConfig:
 
 
 def engine_actor_options(config: AppConfig) -> dict:
-    """Ray resources of one engine replica: one GPU (``engine_wants_gpu``), else
-    ``engine_num_cpus`` CPUs."""
-    return {"num_gpus": 1} if engine_wants_gpu(config.device) else {"num_cpus": config.engine_num_cpus}
+    """Ray options of one engine replica: one GPU (``engine_wants_gpu``), else
+    ``engine_num_cpus`` CPUs, whose count its torch threads follow; either way OpenMP's
+    passive wait policy in its environment before torch loads (``engine.threads``)."""
+    resources = {"num_gpus": 1} if engine_wants_gpu(config.device) else {"num_cpus": config.engine_num_cpus}
+    return {**resources, "runtime_env": {"env_vars": wait_policy_env()}}
 
 
 def engine_wants_gpu(device: str) -> bool:

@@ -69,7 +69,7 @@ class EngineServer:
         threading.Thread(target=self._record_stats, name="engine-metrics", daemon=True).start()
 
     async def generate(self, prompt: dict, params: SamplingParams, request_id: str | None = None,
-                       echo: bool = False) -> AsyncIterator[EngineOutput | Rejection]:
+                       echo: bool = False, stream: bool = True) -> AsyncIterator[EngineOutput | Rejection]:
         """Stream a request's outputs as dicts (see ``output_to_dict``), or one ``Rejection``.
 
         A request that can never be served, or that finds the waiting queue full, gets a
@@ -83,6 +83,10 @@ class EngineServer:
             params: sampling parameters; outputs are deltas.
             request_id: defaults to a random id.
             echo: the first record carries the prompt's text (``prompt_text``).
+            stream: ``True``: a record per engine output (what one step, or several steps
+                where this replica is behind the engine, added); ``False``: one record with
+                the whole result, so that a non-streaming request crosses Ray once, not once
+                per token.
 
         Raises:
             RequestFailedError: the engine failed the request after accepting it.
@@ -100,13 +104,13 @@ class EngineServer:
             return
         self._num_in_flight += 1
         try:
-            async for item in self._generate(prompt, params, request_id, echo):
+            async for item in self._generate(prompt, params, request_id, echo, stream):
                 yield item
         finally:
             self._num_in_flight -= 1
 
     async def _generate(self, prompt: dict, params: SamplingParams, request_id: str | None,
-                        echo: bool) -> AsyncIterator[EngineOutput | Rejection]:
+                        echo: bool, stream: bool) -> AsyncIterator[EngineOutput | Rejection]:
         start = time.perf_counter()
         timing = _Timing(start, self.latencies)
         num_output_tokens, finish_reasons, num_prompt_tokens = 0, [], 0
@@ -117,14 +121,25 @@ class EngineServer:
                 except ValueError as exc:  # the engine's "can never be served as sent"
                     yield rejection(exc)
                     return
+                held: RequestOutput | None = None  # not streamed: everything so far
+                sent_any = False
                 async for output in _prepend(first, outputs):
                     timing.tick(self.metrics)
                     num_prompt_tokens = len(output.prompt_token_ids)
                     num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                     finish_reasons += [c.finish_reason for c in output.outputs if c.finish_reason]
+                    if not stream:
+                        if held is None:
+                            held = output
+                        else:
+                            held.add(output)
+                        if not output.finished:
+                            continue
+                        output = held
                     record = output_to_dict(output, self.replica_id, self.token_bytes)
-                    if echo and output is first:
+                    if echo and not sent_any:
                         record["prompt_text"] = self._prompt_text(output)
+                    sent_any = True
                     yield record
         finally:
             if timing.first is not None:  # rejected requests have no latency to report

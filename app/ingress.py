@@ -225,7 +225,8 @@ class OpenAIIngress:
     async def _respond(self, request: Request, body: SamplingRequest, formatter: ResponseFormatter,
                        prompt_param: str = "prompt", echo: bool = False):
         prompt, params = body.engine_prompt(), body.sampling_params()
-        call = _EngineCall(self.engine_stream.generate.remote(prompt, params, uuid.uuid4().hex, echo))
+        call = _EngineCall(self.engine_stream.generate.remote(prompt, params, uuid.uuid4().hex, echo,
+                                                              body.stream))
         try:
             first = await call.stream.__anext__()  # accepted, or the engine's 4xx, before any header
         except asyncio.CancelledError:

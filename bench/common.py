@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Iterator
 
 import psutil
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 # Where runs write by default: git-ignored, so that no command changes the checkout.
@@ -23,6 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # one only when its --out names it.
 RESULTS = ROOT / "results"
 sys.path.insert(0, str(ROOT))  # `python bench/x.py` imports the project's packages
+
+from engine.threads import set_wait_policy_env  # noqa: E402
+
+set_wait_policy_env()  # before torch loads: the engine's OpenMP wait policy (engine.threads)
+
+import torch  # noqa: E402
 
 from engine.device import cpu_has_bf16_matmul  # noqa: E402
 from engine.models import head_dim_of  # noqa: E402
@@ -45,9 +50,27 @@ def machine_info() -> dict:
     return {"machine": platform.machine(), "processor": _cpu_name(), "cpus": os.cpu_count(),
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
             "cpu_bf16_matmul_units": cpu_has_bf16_matmul(),
+            "cpu_isa_flags": cpu_isa_flags(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "date": datetime.date.today().isoformat()}
+
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_isa_flags() -> list[str]:
+    """The vector and matrix instruction sets of ``ISA_FLAGS`` this CPU reports
+    (``/proc/cpuinfo``; empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    return [f for f in ISA_FLAGS if f in flags]
 
 
 def _cpu_name() -> str:

@@ -9,6 +9,11 @@ Names are imported lazily so that the torch-free modules (``engine.block_manager
 """
 import importlib
 
+from engine.threads import set_wait_policy_env
+
+# Before anything here imports torch: its OpenMP threads sleep when idle (engine.threads).
+set_wait_policy_env()
+
 _EXPORTS = {
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",

@@ -57,8 +57,11 @@ class AsyncLLM:
         """Add a request and yield its outputs until it finishes.
 
         With the default ``sampling_params`` each output is a delta: the text and token ids
-        that step added. Cancelling the consuming task (or closing the generator) aborts the
-        request; its blocks are freed within one step.
+        that step added. A caller slower than the step loop gets what several steps added as
+        one output (deltas joined, cumulative outputs replaced by the latest), so that it
+        never falls further behind (vLLM's ``RequestOutputCollector``). Cancelling the
+        consuming task (or closing the generator) aborts the request; its blocks are freed
+        within one step.
 
         Raises:
             ValueError: the request can never be served (see ``LLMEngine.add_request``).
@@ -73,16 +76,17 @@ class AsyncLLM:
         stream: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        finished = False
+        finished, pending = False, None
         try:
             self._send(("add", request_id, prompt, params, added))
             await asyncio.wrap_future(added)
             while not finished:
-                item = await stream.get()
+                item, pending = (await stream.get() if pending is None else pending), None
                 if isinstance(item, BaseException):
                     raise item
                 if item.error is not None:
                     raise RequestFailedError(item.error)
+                item, pending = _coalesce(item, stream, params.output_kind)
                 finished = item.finished
                 yield item
         finally:
@@ -198,3 +202,18 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(stream.put_nowait, item)
             except RuntimeError:  # the caller's event loop has closed: nobody is listening
                 self._streams.pop(request_id, None)
+
+
+def _coalesce(output: RequestOutput, stream: asyncio.Queue,
+              kind: RequestOutputKind) -> tuple[RequestOutput, object]:
+    """``output`` joined with the outputs already queued behind it, and the first queued
+    item that cannot join (a failure, which the caller raises next), or ``None``."""
+    while not output.finished and not stream.empty():
+        later = stream.get_nowait()
+        if isinstance(later, BaseException) or later.error is not None:
+            return output, later
+        if kind == RequestOutputKind.DELTA:
+            output.add(later)
+        else:
+            output = later
+    return output, None

@@ -24,6 +24,7 @@ from engine.models import AttentionMetadata, build_model, head_dim_of
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SamplingRow, ScheduledRequest, SchedulerOutput
+from engine.threads import configure_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        # intra-op CPU threads: the CPUs this process is given (engine.threads)
+        self.num_threads = configure_cpu_threads() if self.device.type == "cpu" else None
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
         # Before this engine allocates anything: what is on the device is not its own.

@@ -85,3 +85,24 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     num_cached_tokens: int | None = None
+
+    def add(self, later: RequestOutput) -> None:
+        """Append ``later``, the next delta of the same request, to this one (vLLM's
+        ``RequestOutput.add``): each sequence's text, token ids and logprobs are joined; its
+        finish state, and the request's, become ``later``'s. For ``RequestOutputKind.DELTA``
+        outputs only (a cumulative output already holds what came before it)."""
+        mine = {c.index: c for c in self.outputs}
+        for completion in later.outputs:
+            earlier = mine.get(completion.index)
+            if earlier is None:
+                self.outputs.append(completion)
+                continue
+            earlier.text += completion.text
+            earlier.token_ids = earlier.token_ids + completion.token_ids
+            if completion.logprobs is not None:
+                earlier.logprobs = (earlier.logprobs or []) + completion.logprobs
+            earlier.cumulative_logprob = completion.cumulative_logprob
+            earlier.finish_reason, earlier.stop_reason = completion.finish_reason, completion.stop_reason
+        self.finished = later.finished
+        self.metrics = later.metrics or self.metrics
+        self.error = later.error or self.error

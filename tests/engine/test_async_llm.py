@@ -53,11 +53,28 @@ def test_deltas_concatenate_to_the_offline_output(async_llm, llm):
 
     texts, token_ids, finish = asyncio.run(main())
     (offline,) = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
-    assert len(texts) == len(token_ids) > 1  # one delta per step
+    assert 1 < len(texts) <= len(token_ids)  # at most one output per step
     assert token_ids == offline.outputs[0].token_ids
     assert "".join(texts) == offline.outputs[0].text
     assert finish == offline.outputs[0].finish_reason
     assert_idle(_Wrap(async_llm))
+
+
+def test_a_consumer_behind_the_loop_gets_the_steps_it_missed_as_one_output(async_llm, llm):
+    async def main():
+        outputs = async_llm.generate(PROMPTS[1], greedy(20))
+        first = await anext(outputs)
+        await wait_idle(async_llm, timeout=120)  # the request ran to its end while nobody read
+        rest = [out async for out in outputs]
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    (offline,) = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)
+    assert len(first.outputs[0].token_ids) == 1
+    assert len(rest) == 1 and rest[0].finished
+    assert first.outputs[0].token_ids + rest[0].outputs[0].token_ids == offline.outputs[0].token_ids
+    assert first.outputs[0].text + rest[0].outputs[0].text == offline.outputs[0].text
+    assert rest[0].outputs[0].finish_reason == offline.outputs[0].finish_reason
 
 
 def test_concurrent_requests_each_match_their_solo_run(async_llm, llm):

@@ -1,0 +1,69 @@
+"""engine.threads: intra-op threads from the CPUs given, OpenMP's passive wait policy."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from engine import threads
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cpus_given_follows_omp_num_threads_then_the_affinity_mask(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads.cpus_given() == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert threads.cpus_given() == len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})  # taskset -c 5
+    assert threads.cpus_given() == 1
+
+
+def test_cpus_given_in_a_ray_actor_is_its_num_cpus_floored(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "_ray_assigned_cpus", lambda: 2.5)
+    assert threads.cpus_given() == 2
+    monkeypatch.setattr(threads, "_ray_assigned_cpus", lambda: 0.5)
+    assert threads.cpus_given() == 1
+
+
+def test_the_wait_policy_is_passive_unless_the_user_chose_one(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert threads.set_wait_policy_env() is False  # torch is imported here: too late for it
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert threads.wait_policy_env() == {"OMP_WAIT_POLICY": "PASSIVE"}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    threads.set_wait_policy_env()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert threads.wait_policy_env() == {"OMP_WAIT_POLICY": "ACTIVE"}
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    threads.set_wait_policy_env()
+    assert "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_importing_engine_sets_the_policy_before_torch_loads():
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = ("import sys, os, engine; assert 'torch' not in sys.modules; import torch; "
+            "print(os.environ['OMP_WAIT_POLICY'])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "PASSIVE"
+
+
+def test_a_cpu_engine_sets_torch_threads_to_the_cpus_given(monkeypatch):
+    from engine import LLM
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    try:
+        torch.set_num_threads(2)
+        llm = LLM("dummy:tiny-llama", device="cpu", kv_cache_memory_gb=0.01)
+        assert llm.llm_engine.model_runner.num_threads == 1
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
