@@ -68,6 +68,8 @@ def run_mini_infer(system: str, model: str, dtype: str, device: str, requests: l
                    enable_prefix_caching: bool = True) -> dict:
     llm = LLM(model=model, dtype=dtype, device=device, enable_prefix_caching=enable_prefix_caching)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
+    llm.reset_prefix_cache()
+    before = llm.llm_engine.stats()  # the warm-up's counts are left out
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]
     with PeakMemory(device).measure() as memory:
         start = time.perf_counter()
@@ -81,10 +83,12 @@ def run_mini_infer(system: str, model: str, dtype: str, device: str, requests: l
             tpot.append((m.last_token_time - m.first_token_time) / (n - 1))
     stats = llm.llm_engine.stats()
     del llm
-    return _summary(system, requests, seconds, ttft, tpot, memory, num_preemptions=stats["num_preemptions"],
-                    prefix_cache_queries=stats["prefix_cache_queries"],
-                    prefix_cache_hits=stats["prefix_cache_hits"],
-                    prefix_cache_hit_rate=round(stats["prefix_cache_hit_rate"], 4))
+    queries = stats["prefix_cache_queries"] - before["prefix_cache_queries"]
+    hits = stats["prefix_cache_hits"] - before["prefix_cache_hits"]
+    return _summary(system, requests, seconds, ttft, tpot, memory,
+                    num_preemptions=stats["num_preemptions"] - before["num_preemptions"],
+                    prefix_cache_queries=queries, prefix_cache_hits=hits,
+                    prefix_cache_hit_rate=round(hits / queries, 4) if queries else 0.0)
 
 
 def load_hf(model: str, dtype: str, device: str):
