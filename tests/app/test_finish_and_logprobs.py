@@ -94,7 +94,9 @@ def test_chat_logprob_bytes_join_to_the_content(api, tokenizer, stream):
                 for alternative in token["top_logprobs"]:
                     assert bytes(alternative["bytes"]).decode("utf-8", "replace") == alternative["token"]
         if extra["temperature"] == 0:
-            assert "猫🐱 犬🐶" in _content(choices[0])
+            # the reply has an emoji (4 UTF-8 bytes, several tokens); which one is the model's
+            # choice and moves with dtype and kernel (the service runs bf16 where the CPU has it)
+            assert any(len(char.encode()) == 4 for char in _content(choices[0])), _content(choices[0])
             partial = [t for t in choices[0]["logprobs"]["content"] if t["token"] == "\ufffd"]
             assert partial and all(t["bytes"] != [0xEF, 0xBF, 0xBD] for t in partial)
 
