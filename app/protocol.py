@@ -2,6 +2,7 @@
 sampling extras. Requests are validated here; their sampling fields become ``SamplingParams``."""
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Literal
@@ -11,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from app.tool_calls import ToolMode, tool_constraint
 from engine.errors import InvalidRequestError, excerpt
 from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+# OpenAI's API reference: "What sampling temperature to use, between 0 and 2."
+OPENAI_MAX_TEMPERATURE = 2.0
 
 
 class ErrorInfo(BaseModel):
@@ -129,8 +133,11 @@ class SamplingRequest(BaseModel):
         """The engine's parameters (deltas: the service streams or accumulates them).
 
         Raises:
-            ValueError: naming the field and its allowed range.
+            InvalidRequestError: naming the field and its allowed range (a ValueError).
         """
+        if OPENAI_MAX_TEMPERATURE < self.temperature < math.inf:  # the engine, as vLLM's, takes any finite
+            raise InvalidRequestError(f"temperature must be at most {OPENAI_MAX_TEMPERATURE:g} (the OpenAI API's "
+                                      f"range [0, 2]); got {self.temperature:g}", param="temperature")
         max_tokens, logprobs = self.max_new_tokens(), self.num_logprobs()
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
