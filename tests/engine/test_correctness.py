@@ -35,6 +35,7 @@ def test_one_batch_matches_transformers(llm, mixed_prompts, hf_expected):
     assert_idle(llm)
 
 
+@pytest.mark.slow
 def test_preemption_keeps_output_identical(mixed_prompts, hf_expected):
     # 40 blocks of 16 = 640 slots: the 450-token prompt alone needs 31 blocks, so the batch
     # cannot all fit and running requests get preempted and recomputed.
@@ -45,6 +46,7 @@ def test_preemption_keeps_output_identical(mixed_prompts, hf_expected):
     assert_idle(llm)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_keeps_output_identical(mixed_prompts, hf_expected):
     # A 64-token budget splits every prompt over 64 tokens into chunks (450 -> 8 chunks).
     llm = LLM(dtype="float32", max_num_batched_tokens=64, max_num_seqs=8)
@@ -53,6 +55,7 @@ def test_chunked_prefill_keeps_output_identical(mixed_prompts, hf_expected):
     assert_idle(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_other_block_sizes(mixed_prompts, hf_expected, block_size):
     llm = LLM(dtype="float32", block_size=block_size, num_gpu_blocks=4096 // block_size)
