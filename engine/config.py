@@ -106,6 +106,10 @@ class EngineConfig:
         "auto", "Paged attention kernels; auto = Triton on CUDA, on the CPU the C++ kernel "
         "where it builds, else the torch reference.", ATTENTION_BACKENDS)
     seed: int = setting(0, "Seeds the engine-wide generator of unseeded sampled requests.")
+    enforce_eager: bool = setting(
+        False, "Run the model eagerly (vLLM's setting of the same name). Otherwise, on the CPU, "
+        "the glue between matmuls and attention (RMSNorm, RoPE, SiLU x mul, residual adds) runs "
+        "through torch.compile, compiled at start-up and cached on disk; CUDA runs eagerly.")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

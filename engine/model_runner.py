@@ -112,6 +112,9 @@ class ModelRunner:
         self.kv_caches = _per_layer(self.kv_cache)
         if self.backend == "triton" and self.device.type == "cuda":
             self.warm_up()
+        self.compiled_glue = False
+        if self.device.type == "cpu" and not config.enforce_eager:
+            self.compiled_glue = self._compile_glue()
 
     # ---- set-up --------------------------------------------------------------------------
 
@@ -186,6 +189,27 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         logger.info("attention kernels warmed up in %.1f s", time.perf_counter() - start)
+
+    def _compile_glue(self) -> bool:
+        """``torch.compile`` the layers' glue (``LlamaForCausalLM.compile_glue``) and compile
+        both of its graphs now (a one-token step and a longer one), so that no request waits
+        for the compiler. Returns False, with the model left eager, where compiling fails
+        (no C++ compiler, an unsupported op): the engine still serves, more slowly."""
+        start = time.perf_counter()
+        self.model.compile_glue()
+        try:
+            with torch.inference_mode():
+                self._dummy_forward(self.kv_caches, [(1, 1, [0])], num_logits=1)
+                self._dummy_forward(self.kv_caches, [(2, 0, [0])], num_logits=1)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: serve eagerly instead
+            logger.warning("torch.compile of the layer glue failed, running eagerly: %s",
+                           str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            self.model.compiled_glue = None
+            return False
+        finally:
+            self.kv_cache[:, :, 0].zero_()
+        logger.info("layer glue compiled (torch.compile, Inductor) in %.1f s", time.perf_counter() - start)
+        return True
 
     @torch.inference_mode()
     def _dummy_forward(self, caches, seqs: list[tuple[int, int, list[int]]], num_logits: int) -> None:

@@ -148,20 +148,29 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size,
                                 bias=getattr(config, "attention_bias", False) and not is_qwen2(config))
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``x [num_tokens, hidden_size]`` -> q ``[num_tokens, num_heads, head_dim]``, k and v
+        ``[num_tokens, num_kv_heads, head_dim]``, RoPE applied to q and k."""
         num_tokens = x.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        return q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim)
+
+    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Store this step's K/V, then paged attention: ``[num_tokens, num_heads, head_dim]``."""
         k_cache, v_cache = kv_cache
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
-        o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                    meta.seq_lens, self.scale, backend=meta.backend,
-                                    num_decodes=meta.num_decodes)
-        return self.o_proj(o.view(num_tokens, q_size))
+        return kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                       meta.seq_lens, self.scale, backend=meta.backend,
+                                       num_decodes=meta.num_decodes)
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.project_qkv(x, cos, sin)
+        o = self.attend(q, k, v, kv_cache, meta)
+        return self.o_proj(o.flatten(1))
 
 
 class MLP(nn.Module):
@@ -191,6 +200,20 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def layer_before_attention(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The glue of ``DecoderLayer.forward`` up to the attention kernels: input RMSNorm, q/k/v
+    projection, RoPE. Returns ``(q, k, v)`` as ``Attention.project_qkv``."""
+    return layer.self_attn.project_qkv(layer.input_layernorm(x), cos, sin)
+
+
+def layer_after_attention(layer: DecoderLayer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """The rest of ``DecoderLayer.forward`` after the attention kernels: output projection,
+    residual add, RMSNorm, SwiGLU MLP, residual add. ``o [num_tokens, num_heads, head_dim]``,
+    ``x`` the layer's input; returns the layer's output ``[num_tokens, hidden_size]``."""
+    x = x + layer.self_attn.o_proj(o.flatten(1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
 class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM over the project's paged attention.
 
@@ -210,6 +233,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.upcast_matmul = False
         self.lm_head_fp32: torch.Tensor | None = None
+        self.compiled_glue = None  # (before, after) attention: see compile_glue
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -230,9 +254,27 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
+        if self.compiled_glue is None:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x = layer(x, cos, sin, kv_cache, meta)
+            return self.norm(x)
+        before, after = self.compiled_glue
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
+            q, k, v = before(layer, x, cos, sin)
+            x = after(layer, x, layer.self_attn.attend(q, k, v, kv_cache, meta))
         return self.norm(x)
+
+    def compile_glue(self) -> None:
+        """Run each layer's glue (``layer_before_attention``, ``layer_after_attention``) through
+        ``torch.compile`` (Inductor): RMSNorm, RoPE, SiLU x mul and the residual adds become a
+        few fused kernels instead of ~40 small ops a layer, each a parallel region that wakes
+        the intra-op threads. One compiled graph of each serves every layer (the layer's
+        parameters are its inputs) and every token count (``dynamic=True``; torch specialises
+        a one-token step, which is its second graph). The attention kernels stay outside.
+        Compiling happens at the first forward of each graph (``ModelRunner`` does it at
+        start-up); Inductor caches the result on disk for later processes."""
+        self.compiled_glue = (torch.compile(layer_before_attention, dynamic=True),
+                              torch.compile(layer_after_attention, dynamic=True))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden_size]`` -> fp32 logits ``[n, vocab_size]``."""

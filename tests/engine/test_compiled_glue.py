@@ -1,0 +1,60 @@
+"""The layers' glue through torch.compile on the CPU (``enforce_eager=False``, the default):
+the same fp32 tokens as eager, compiled at start-up and never while serving, and an engine
+that still serves eagerly where the compiler fails."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch._dynamo.utils import counters
+
+from engine import LLM, SamplingParams
+from engine.models import llama
+from tests.engine.conftest import assert_idle
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _tokens(llm, prompts) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_the_default_cpu_engine_compiles_its_glue_and_eager_gives_the_same_fp32_tokens(llm, mixed_prompts):
+    assert llm.llm_engine.model_runner.compiled_glue is True
+    assert llm.llm_engine.model_runner.model.compiled_glue is not None
+    eager = LLM(dtype="float32", enforce_eager=True)
+    assert eager.llm_engine.model_runner.compiled_glue is False
+    assert eager.llm_engine.model_runner.model.compiled_glue is None
+    prompts = mixed_prompts[:6]
+    assert _tokens(llm, prompts) == _tokens(eager, prompts)
+    assert_idle(eager)
+
+
+def test_serving_any_batch_shape_compiles_nothing(llm, mixed_prompts):
+    # Start-up compiled the one-token graph and the dynamic one: steps of 1, 2, 7 and 1,700
+    # tokens (decodes, prompts, a chunk) reuse them.
+    graphs = counters["stats"]["unique_graphs"]
+    calls = counters["stats"]["calls_captured"]
+    _tokens(llm, [mixed_prompts[0]])
+    _tokens(llm, [mixed_prompts[1], mixed_prompts[0]])
+    _tokens(llm, mixed_prompts)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert counters["stats"]["calls_captured"] == calls
+
+
+def test_a_compiler_failure_leaves_a_working_eager_engine(monkeypatch, caplog, mixed_prompts):
+    def broken_compile(fn, **kwargs):
+        def fails(*args, **kw):
+            raise RuntimeError("no C++ compiler found\nsecond line")
+        return fails
+
+    monkeypatch.setattr(llama.torch, "compile", broken_compile)
+    with caplog.at_level(logging.WARNING, logger="engine.model_runner"):
+        llm = LLM(dtype="float32")
+    assert "torch.compile of the layer glue failed, running eagerly: no C++ compiler found" in caplog.text
+    assert "second line" not in caplog.text
+    assert llm.llm_engine.model_runner.compiled_glue is False
+    monkeypatch.setattr(llama.torch, "compile", torch.compile)
+    eager = LLM(dtype="float32", enforce_eager=True)
+    assert _tokens(llm, mixed_prompts[:3]) == _tokens(eager, mixed_prompts[:3])
+    assert_idle(llm)
