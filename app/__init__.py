@@ -65,8 +65,8 @@ def request_router_config(config: AppConfig) -> RequestRouterConfig:
 
 def engine_actor_options(config: AppConfig) -> dict:
     """Ray options of one engine replica: one GPU (``engine_wants_gpu``), else
-    ``engine_num_cpus`` CPUs, whose count its torch threads follow; either way OpenMP's
-    passive wait policy in its environment before torch loads (``engine.threads``)."""
+    ``engine_num_cpus`` CPUs, whose count its torch threads follow; either way the
+    OpenMP wait settings in its environment before torch loads (``engine.threads``)."""
     resources = {"num_gpus": 1} if engine_wants_gpu(config.device) else {"num_cpus": config.engine_num_cpus}
     return {**resources, "runtime_env": {"env_vars": wait_policy_env()}}
 

@@ -10,9 +10,10 @@ run by run so that a drift in the machine's speed hits all of them alike:
 - ``busy``: one process spinning in a Python loop, pinned to one core (the last CPU this
   process may use), for the whole run.
 
-Variants: ``engine`` (the engine's defaults: ``engine.threads``), ``one_thread``
-(``OMP_NUM_THREADS=1``) and ``spin`` (the same,
-but with libgomp's default wait when no policy is set, 300,000 spins before sleeping:
+Variants: ``engine`` (the engine's defaults: ``engine.threads``, 1,000 spins), ``one_thread``
+(``OMP_NUM_THREADS=1``), ``passive`` (``OMP_WAIT_POLICY=PASSIVE``: no spinning, the
+default before), ``spin1k`` (``GOMP_SPINCOUNT=1000``, the default now, set explicitly) and
+``spin`` (libgomp's default wait when no policy is set, 300,000 spins before sleeping:
 ``GOMP_SPINCOUNT=300000``; torch's behaviour before ``engine.threads``). The result is each
 variant's busy / quiet throughput ratio (medians over ``--repeats``).
 """
@@ -30,7 +31,8 @@ from pathlib import Path
 
 from common import ROOT, machine_info, write_result
 
-VARIANTS = {"engine": {}, "spin": {"GOMP_SPINCOUNT": "300000"}, "one_thread": {"OMP_NUM_THREADS": "1"}}
+VARIANTS = {"engine": {}, "spin": {"GOMP_SPINCOUNT": "300000"}, "one_thread": {"OMP_NUM_THREADS": "1"},
+            "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin1k": {"GOMP_SPINCOUNT": "1000"}}
 _BUSY_LOOP = "import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
 
 

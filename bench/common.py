@@ -53,6 +53,7 @@ def machine_info() -> dict:
             "cpu_isa_flags": cpu_isa_flags(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "date": datetime.date.today().isoformat()}
 

@@ -30,29 +30,32 @@ def test_cpus_given_in_a_ray_actor_is_its_num_cpus_floored(monkeypatch):
     assert threads.cpus_given() == 1
 
 
-def test_the_wait_policy_is_passive_unless_the_user_chose_one(monkeypatch):
+def test_the_wait_is_a_short_spin_unless_the_user_chose_one(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     assert threads.set_wait_policy_env() is False  # torch is imported here: too late for it
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    assert threads.wait_policy_env() == {"OMP_WAIT_POLICY": "PASSIVE"}
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    threads.set_wait_policy_env()
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
-    assert threads.wait_policy_env() == {"OMP_WAIT_POLICY": "ACTIVE"}
-    monkeypatch.delenv("OMP_WAIT_POLICY")
-    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
-    threads.set_wait_policy_env()
+    assert os.environ["GOMP_SPINCOUNT"] == "1000"
     assert "OMP_WAIT_POLICY" not in os.environ
+    assert threads.wait_policy_env() == {"GOMP_SPINCOUNT": "1000"}
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    threads.set_wait_policy_env()
+    assert "GOMP_SPINCOUNT" not in os.environ
+    assert threads.wait_policy_env() == {"OMP_WAIT_POLICY": "PASSIVE"}
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "50")
+    threads.set_wait_policy_env()
+    assert os.environ["GOMP_SPINCOUNT"] == "50" and "OMP_WAIT_POLICY" not in os.environ
+    assert threads.wait_policy_env() == {"GOMP_SPINCOUNT": "50"}
 
 
 def test_importing_engine_sets_the_policy_before_torch_loads():
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     code = ("import sys, os, engine; assert 'torch' not in sys.modules; import torch; "
-            "print(os.environ['OMP_WAIT_POLICY'])")
+            "print(os.environ['GOMP_SPINCOUNT'])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "PASSIVE"
+    assert out.stdout.strip() == "1000"
 
 
 def test_a_cpu_engine_sets_torch_threads_to_the_cpus_given(monkeypatch):
