@@ -4,7 +4,7 @@
 
 It queues the whole workload, then profiles (torch.profiler, CPU time by operator) the first
 step (a 2048-token prefill) and a decode step once every request is running, and reports the
-share of matmuls (``aten::linear``), attention (``kernels.paged_attention``: the C++ decode
+share of matmuls (``aten::mm``, ``aten::addmm``), attention (``kernels.paged_attention``: the C++ decode
 kernel or SDPA), the KV store, and everything else.
 """
 from __future__ import annotations
@@ -21,11 +21,14 @@ import kernels
 from engine import LLM, SamplingParams
 from engine.sampling_params import RequestOutputKind
 
-# Inclusive CPU time of these profiler events; none of them nests inside another.
+# Inclusive CPU time of these profiler events; none of them nests inside another. Matmuls
+# are the GEMM calls themselves: eager ``aten::linear`` reaches them through ``aten::matmul``,
+# the compiled glue (``engine.models.llama.compile_glue``) calls them directly, an ``addmm``
+# where a bias or a residual add is folded in.
 GROUPS = {
-    "matmul": "aten::linear",
-    "attention": "mini_infer::paged_attention",
-    "kv store": "mini_infer::store_kv",
+    "matmul": ("aten::mm", "aten::addmm"),
+    "attention": ("mini_infer::paged_attention",),
+    "kv store": ("mini_infer::store_kv",),
 }
 
 
@@ -45,8 +48,8 @@ def profile_step(engine) -> dict:
         wall = time.perf_counter() - start
     totals = {name: 0.0 for name in GROUPS}
     for event in prof.key_averages():
-        for name, key in GROUPS.items():
-            if event.key == key:
+        for name, keys in GROUPS.items():
+            if event.key in keys:
                 totals[name] += event.cpu_time_total / 1e6
     shares = {name: round(seconds / wall, 3) for name, seconds in totals.items()}
     shares["other (python, norms, rope, sampler, ...)"] = round(1 - sum(shares.values()), 3)
@@ -59,11 +62,12 @@ def main() -> None:
     parser.add_argument("--workload", type=Path, required=True)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--enforce-eager", action="store_true", help="no compiled glue")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    kernels.paged_attention = _labelled(kernels.paged_attention, GROUPS["attention"])
-    kernels.store_kv = _labelled(kernels.store_kv, GROUPS["kv store"])
-    llm = LLM(model=args.model, dtype=args.dtype)
+    kernels.paged_attention = _labelled(kernels.paged_attention, GROUPS["attention"][0])
+    kernels.store_kv = _labelled(kernels.store_kv, GROUPS["kv store"][0])
+    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=args.enforce_eager)
     engine = llm.llm_engine
     requests = load_workload(args.workload)["requests"]
     for i, r in enumerate(requests):
@@ -78,7 +82,8 @@ def main() -> None:
     decode = profile_step(engine)
     decode["num_seqs"] = engine.stats()["num_running"]
     result = {"workload": args.workload.name, "model": args.model, "dtype": args.dtype,
-              "attention_backend": engine.model_runner.backend, "machine": machine_info(),
+              "attention_backend": engine.model_runner.backend,
+              "compiled_glue": engine.model_runner.compiled_glue, "machine": machine_info(),
               "prefill_step": prefill, "decode_step": decode}
     path = write_result(f"profile-step-{args.dtype}", result, args.out)
     for name in ("prefill_step", "decode_step"):

@@ -28,6 +28,7 @@ def test_each_prompt_alone_matches_transformers(llm, mixed_prompts, hf_expected)
     assert_idle(llm)
 
 
+@pytest.mark.slow  # transformers' reference generations take ~50 s to make
 def test_one_batch_matches_transformers(llm, mixed_prompts, hf_expected):
     outputs = llm.generate(mixed_prompts, GREEDY, use_tqdm=False)
     assert _token_ids(outputs) == hf_expected

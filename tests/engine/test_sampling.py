@@ -157,6 +157,7 @@ def test_mixed_batch_greedy_rows_equal_their_solo_runs(llm):
     assert_idle(llm)
 
 
+@pytest.mark.slow
 def test_a_seeded_request_is_unchanged_by_preemption():
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=20, ignore_eos=True)
     prompts = [list(range(200 + 30 * i, 240 + 30 * i)) for i in range(6)]
