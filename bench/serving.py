@@ -8,7 +8,8 @@ endpoint, then the same schedule straight into an in-process ``AsyncLLM``.
 For each request rate (requests/s; ``inf`` sends everything at once) it reports throughput,
 TTFT, TPOT, ITL and end-to-end percentiles, and goodput: requests/s that met the SLO
 (``--slo-ttft-s`` and ``--slo-tpot-s``). The ``AsyncLLM`` run uses the same engine settings
-as the server's defaults, so ``http / direct`` ratios show what HTTP, Serve and Ray cost.
+as a server started from this environment (defaults, then ``MINI_INFER_*`` variables), so
+``http / direct`` ratios show what HTTP, Serve and Ray cost.
 
 With ``--replicas N`` it serves the app itself instead (a local Ray, Serve on 127.0.0.1:8000,
 N engine replicas) once per request router of ``--router`` (``AppConfig.request_router``), in
@@ -213,10 +214,11 @@ def router_ratios(runs: dict) -> dict:
 
 
 async def bench_direct(model: str, requests, rates, seed, slo) -> dict:
+    from app.config import AppConfig
     from engine.async_llm import AsyncLLM
-    from engine.config import EngineConfig
 
-    llm = AsyncLLM(config=EngineConfig(model=model))
+    # the server's engine settings: defaults, then MINI_INFER_* (e.g. MINI_INFER_STREAM_INTERVAL)
+    llm = AsyncLLM(config=AppConfig.load({"model": model}).engine_config())
     results = {}
     try:
         for rate in rates:

@@ -76,6 +76,10 @@ class SchedulerConfig:
     max_model_len: int | None = setting(
         None, "Longest sequence (prompt + output) served; defaults to the model's "
         "max_position_embeddings.")
+    stream_interval: int = setting(
+        1, "Streamed requests get their first token at once, then a record every this many "
+        "tokens (and the last one when they finish), as vLLM's setting of the same name: "
+        "larger values cost clients smoothness and save per-record work on the host.")
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
@@ -85,6 +89,7 @@ class SchedulerConfig:
                  "decode each step")
         _require(self.max_model_len is None or self.max_model_len >= 1,
                  f"max_model_len must be >= 1; got {self.max_model_len}")
+        _require(self.stream_interval >= 1, f"stream_interval must be >= 1; got {self.stream_interval}")
 
 
 @dataclass(slots=True)

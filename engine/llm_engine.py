@@ -56,7 +56,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.block_manager)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.scheduler.stream_interval)
         self._structured_outputs = None  # StructuredOutputManager, made on the first constrained request
         self._compiling: list[Request] = []  # added requests whose grammar was still compiling
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, sched.max_model_len)

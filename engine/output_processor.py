@@ -38,10 +38,13 @@ class OutputProcessor:
     Args:
         tokenizer: the model's tokenizer, or ``None`` (then texts are empty and stop strings
             are refused earlier, by the engine).
+        stream_interval: a streamed request's first token is reported at once, later ones
+            once one of its changed sequences has this many unreported tokens, or it ends.
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.states: dict[str, RequestState] = {}
         self._token_texts: dict[int, str] = {}
 
@@ -84,6 +87,8 @@ class OutputProcessor:
         outputs = []
         for request_id in [r for r, s in self.states.items() if s.changed]:
             state = self.states[request_id]
+            if self._held_back(state):
+                continue
             output = self._make_output(state)
             state.changed.clear()
             if state.finished:
@@ -93,6 +98,19 @@ class OutputProcessor:
         return outputs
 
     # ---- helpers -------------------------------------------------------------------------
+
+    def _held_back(self, state: RequestState) -> bool:
+        """Whether a streamed request's news waits for more tokens (``stream_interval``): it
+        has started streaming, is not finished, and some changed sequence has fewer than
+        ``stream_interval`` tokens not yet reported."""
+        if self.stream_interval == 1 or state.finished:
+            return False
+        if state.first.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
+            return False
+        reported = state.num_reported_tokens
+        return all(reported.get(i, 0) > 0 and
+                   state.sequences[i].num_output_tokens - reported[i] < self.stream_interval
+                   for i in dict.fromkeys(state.changed))
 
     def _detokenizer(self, state: RequestState, sequence: Request) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
