@@ -167,11 +167,6 @@ class Attention(nn.Module):
                                        meta.seq_lens, self.scale, backend=meta.backend,
                                        num_decodes=meta.num_decodes)
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.project_qkv(x, cos, sin)
-        o = self.attend(q, k, v, kv_cache, meta)
-        return self.o_proj(o.flatten(1))
-
 
 class MLP(nn.Module):
     """SwiGLU feed-forward with one fused gate/up projection."""
@@ -196,8 +191,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        q, k, v = layer_before_attention(self, x, cos, sin)
+        return layer_after_attention(self, x, self.self_attn.attend(q, k, v, kv_cache, meta))
 
 
 def layer_before_attention(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -254,11 +249,7 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        if self.compiled_glue is None:
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x = layer(x, cos, sin, kv_cache, meta)
-            return self.norm(x)
-        before, after = self.compiled_glue
+        before, after = self.compiled_glue or (layer_before_attention, layer_after_attention)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             q, k, v = before(layer, x, cos, sin)
             x = after(layer, x, layer.self_attn.attend(q, k, v, kv_cache, meta))
