@@ -8,7 +8,7 @@ import logging
 import torch
 from torch._dynamo.utils import counters
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, model_runner
 from engine.models import llama
 from tests.engine.conftest import assert_idle
 
@@ -30,6 +30,14 @@ def test_the_default_cpu_engine_compiles_its_glue_and_eager_gives_the_same_fp32_
     assert_idle(eager)
 
 
+def test_a_second_engine_of_the_same_model_reuses_the_graphs(llm, mixed_prompts):
+    graphs = counters["stats"]["unique_graphs"]
+    again = LLM(dtype="float32", num_gpu_blocks=256)
+    assert again.llm_engine.model_runner.compiled_glue is True
+    assert _tokens(again, mixed_prompts[:2]) == _tokens(llm, mixed_prompts[:2])
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_serving_any_batch_shape_compiles_nothing(llm, mixed_prompts):
     # Start-up compiled the one-token graph and the dynamic one: steps of 1, 2, 7 and 1,700
     # tokens (decodes, prompts, a chunk) reuse them.
@@ -49,6 +57,7 @@ def test_a_compiler_failure_leaves_a_working_eager_engine(monkeypatch, caplog, m
         return fails
 
     monkeypatch.setattr(llama.torch, "compile", broken_compile)
+    monkeypatch.setattr(model_runner, "_GLUE_COMPILED", set())  # as in a fresh process
     with caplog.at_level(logging.WARNING, logger="engine.model_runner"):
         llm = LLM(dtype="float32")
     assert "torch.compile of the layer glue failed, running eagerly: no C++ compiler found" in caplog.text
