@@ -29,8 +29,11 @@ import json
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
+from itertools import accumulate
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from engine.block_manager import hash_block_tokens, root_hash
 
 # Approximate bytes of text per token of a byte-level BPE tokenizer on English text (about 4
 # for GPT-2's and SmolLM2's): text chunks of block_size * this many bytes stand for one KV
@@ -49,8 +52,9 @@ def prefix_hashes(prompt: dict, cache_salt: str | None, block_size: int,
     form, one message after the other, so that a conversation's next turn starts with the
     same bytes as the turn before: the same prefix property as the chat template's text,
     without a tokenizer in the ingress). Each hash covers its chunk and every chunk before
-    it, and ``cache_salt`` enters the first, as in the engine's block hashes: equal hashes
-    mean equal prefixes (sha256, collision resistant).
+    it, and ``cache_salt`` enters the first: for token ids they are the engine's own block
+    hashes (``engine.block_manager.hash_block_tokens``); equal hashes mean equal prefixes
+    (sha256, collision resistant).
 
     Args:
         prompt: ``EngineServer.generate``'s prompt: ``{"prompt": str}``,
@@ -60,31 +64,24 @@ def prefix_hashes(prompt: dict, cache_salt: str | None, block_size: int,
         max_chunks: at most this many hashes.
 
     Returns:
-        Up to ``max_chunks`` 16-byte digests; empty for a prompt shorter than one chunk.
+        Up to ``max_chunks`` 32-byte digests; empty for a prompt shorter than one chunk.
     """
-    if "prompt_token_ids" in prompt:
+    if "prompt_token_ids" in prompt:  # the engine's own block hashes
         ids = prompt["prompt_token_ids"]
-        kind = b"ids"
-        chunks = (b",".join(str(i).encode() for i in ids[start:start + block_size])
-                  for start in range(0, (len(ids) // block_size) * block_size, block_size))
+        blocks = [ids[start:start + block_size]
+                  for start in range(0, min(len(ids) // block_size, max_chunks) * block_size, block_size)]
+        return list(accumulate(blocks, hash_block_tokens, initial=root_hash(cache_salt)))[1:]
+    if "messages" in prompt:
+        kind = b"chat"
+        data = b"".join(json.dumps(m, sort_keys=True, ensure_ascii=False).encode() + b"\n"
+                        for m in prompt["messages"])
     else:
-        if "messages" in prompt:
-            kind = b"chat"
-            data = b"".join(json.dumps(m, sort_keys=True, ensure_ascii=False).encode() + b"\n"
-                            for m in prompt["messages"])
-        else:
-            kind = b"text"
-            data = str(prompt.get("prompt", "")).encode()
-        size = block_size * BYTES_PER_TOKEN
-        chunks = (data[start:start + size] for start in range(0, (len(data) // size) * size, size))
-    parent = hashlib.sha256(kind + b"\0" + (cache_salt or "").encode()).digest()
-    hashes = []
-    for chunk in chunks:
-        if len(hashes) == max_chunks:
-            break
-        parent = hashlib.sha256(parent + chunk).digest()[:16]
-        hashes.append(parent)
-    return hashes
+        kind = b"text"
+        data = str(prompt.get("prompt", "")).encode()
+    size = block_size * BYTES_PER_TOKEN
+    chunks = [data[start:start + size] for start in range(0, min(len(data) // size, max_chunks) * size, size)]
+    root = hashlib.sha256(kind + b"\0" + root_hash(cache_salt)).digest()
+    return list(accumulate(chunks, lambda parent, chunk: hashlib.sha256(parent + chunk).digest(), initial=root))[1:]
 
 
 class PrefixIndex:
@@ -92,7 +89,7 @@ class PrefixIndex:
     hash) pairs: the least recently routed pair goes first.
 
     Args:
-        max_entries: the bound on entries (each about 200 bytes of Python objects).
+        max_entries: the bound on entries (each about 220 bytes of Python objects).
 
     Raises:
         ValueError: ``max_entries`` < 1.

@@ -160,10 +160,8 @@ class ModelRunner:
         after_weights = CudaMemory.now(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         sched = self.config.scheduler
-        num_tokens = sched.max_num_batched_tokens
-        seq_len = min(num_tokens, sched.max_model_len)
-        lens = [min(seq_len, num_tokens - first) for first in range(0, num_tokens, seq_len)]
-        blocks_per_seq = kernels.cdiv(seq_len, self.block_size)
+        lens = self._full_budget_lens()
+        blocks_per_seq = kernels.cdiv(lens[0], self.block_size)
         caches = _per_layer(self._allocate_kv_cache(len(lens) * blocks_per_seq))
         self._dummy_forward(caches, [(n, 0, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
                                      for i, n in enumerate(lens)], num_logits=sched.max_num_seqs)
@@ -173,6 +171,14 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return kv_cache_bytes(self.config.cache.gpu_memory_utilization, start, after_weights, peak,
                               CudaMemory.now(self.device))
+
+    def _full_budget_lens(self) -> list[int]:
+        """Prompt lengths that fill one step's token budget (``max_num_batched_tokens``), none
+        longer than ``max_model_len``: the largest forward serving will run."""
+        sched = self.config.scheduler
+        num_tokens = sched.max_num_batched_tokens
+        seq_len = min(num_tokens, sched.max_model_len)
+        return [min(seq_len, num_tokens - first) for first in range(0, num_tokens, seq_len)]
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -210,10 +216,8 @@ class ModelRunner:
         signature = (self.model.config.to_json_string(), self.dtype, self.upcast_matmul)
         if signature in _GLUE_COMPILED:
             return True
-        sched = self.config.scheduler
-        num_tokens, seq_len = sched.max_num_batched_tokens, min(sched.max_num_batched_tokens, sched.max_model_len)
-        table = [0] * kernels.cdiv(seq_len, self.block_size)
-        seqs = [(min(seq_len, num_tokens - first), 0, table) for first in range(0, num_tokens, seq_len)]
+        lens = self._full_budget_lens()
+        seqs = [(n, 0, [0] * kernels.cdiv(lens[0], self.block_size)) for n in lens]
         try:
             with torch.inference_mode():
                 self._dummy_forward(self.kv_caches, [(1, 1, [0])], num_logits=1)
