@@ -99,6 +99,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         num_splits: 0 splits a decode token's context across threads only when the batch has
             too few tasks to keep every thread busy; ``n > 0`` splits every one ``n`` ways.
 
+    The call releases the GIL while it computes, so that a served replica's other Python
+    threads (Ray's, the asyncio loop streaming outputs) run beside the step loop.
+
     Raises:
         RuntimeError: for inconsistent shapes or dtypes, a block-table entry outside the cache,
             a query longer than its sequence, or an ``isa`` this CPU cannot run.

@@ -329,7 +329,8 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged causal attention on the CPU (decode tokens and prefill chunks)",
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("isa") = "auto", py::arg("num_splits") = 0);
+        py::arg("seq_lens"), py::arg("scale"), py::arg("isa") = "auto", py::arg("num_splits") = 0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("supported_isas", &supported_isas, "Instruction sets this CPU runs, best first");
   m.def("selected_isa", &selected_isa, "The instruction set a call with `isa` runs at a head_dim", py::arg("head_dim"),
         py::arg("isa") = "auto");

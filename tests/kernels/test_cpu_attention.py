@@ -141,3 +141,44 @@ def test_extension_name_changes_with_the_source(tmp_path, monkeypatch):
     header = tmp_path / "csrc" / "vec_avx2.h"
     header.write_text(header.read_text() + "// changed\n")
     assert cpu_attention.extension_name() != before
+
+
+def test_the_kernel_releases_the_gil():
+    """Other Python threads run while a call computes (a served replica's Ray and asyncio
+    threads beside its step loop): a thread that only records the time gets many samples
+    inside the middle halves of 8 calls; with the GIL held through each call it gets none."""
+    import threading
+    import time
+
+    num_seqs, context, block_size = 64, 2048, 16
+    blocks_per_seq = context // block_size
+    k_cache = torch.randn(num_seqs * blocks_per_seq, block_size, 2, 64)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32).view(num_seqs, blocks_per_seq)
+    args = (torch.randn(num_seqs, 6, 64), k_cache, v_cache, tables,
+            torch.arange(num_seqs + 1, dtype=torch.int32), torch.full((num_seqs,), context, dtype=torch.int32), 0.125)
+    span, samples, started = [], [], threading.Event()
+
+    def call():
+        started.set()
+        for _ in range(8):
+            begin = time.perf_counter()
+            cpu_attention.paged_attention(*args)
+            span.append((begin, time.perf_counter()))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a core left for the sampling thread
+    try:
+        worker = threading.Thread(target=call)
+        worker.start()
+        started.wait()
+        while worker.is_alive():
+            samples.append(time.perf_counter())
+            time.sleep(0.0002)
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    middles = [(begin + (end - begin) / 4, end - (end - begin) / 4) for begin, end in span]
+    assert sum(end - begin for begin, end in middles) > 0.02, "the calls are too short to tell"
+    inside = [t for t in samples if any(begin < t < end for begin, end in middles)]
+    assert len(inside) >= 10, f"{len(inside)} samples inside calls of {[round(1000 * (e - b)) for b, e in span]} ms"
