@@ -9,7 +9,10 @@ For each request rate (requests/s; ``inf`` sends everything at once) it reports 
 TTFT, TPOT, ITL and end-to-end percentiles, and goodput: requests/s that met the SLO
 (``--slo-ttft-s`` and ``--slo-tpot-s``). The ``AsyncLLM`` run uses the same engine settings
 as a server started from this environment (defaults, then ``MINI_INFER_*`` variables), so
-``http / direct`` ratios show what HTTP, Serve and Ray cost.
+``http / direct`` ratios show what HTTP, Serve and Ray cost. ``--repeats N`` runs N rounds of
+one HTTP and one direct run back to back (each round with its own ``cache_salt``, so that no
+round finds an earlier one's prompts in the prefix cache) and reports the median of the
+rounds' ratios: on a VM whose speed drifts, single runs swing by 10%.
 
 With ``--replicas N`` it serves the app itself instead (a local Ray, Serve on 127.0.0.1:8000,
 N engine replicas) once per request router of ``--router`` (``AppConfig.request_router``), in
@@ -66,9 +69,12 @@ class Record:
                 "itl": [b - a for a, b in zip(times, times[1:], strict=False)]}
 
 
-async def _http_request(session, url: str, model: str, request: dict, record: Record) -> None:
+async def _http_request(session, url: str, model: str, request: dict, record: Record,
+                        cache_salt: str | None = None) -> None:
     body = {"model": model, "prompt": request["prompt_token_ids"], "max_tokens": request["max_tokens"],
             "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     try:
         async with session.post(url + "/v1/completions", json=body) as response:
             if response.status != 200:
@@ -87,9 +93,9 @@ async def _http_request(session, url: str, model: str, request: dict, record: Re
         record.error = repr(exc)
 
 
-async def _direct_request(llm, request: dict, record: Record) -> None:
+async def _direct_request(llm, request: dict, record: Record, cache_salt: str | None = None) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True,
-                            output_kind=RequestOutputKind.DELTA)
+                            output_kind=RequestOutputKind.DELTA, cache_salt=cache_salt)
     async for output in llm.generate(request["prompt_token_ids"], params):
         record.token_times.append(time.perf_counter())
         record.num_tokens += len(output.outputs[0].token_ids)
@@ -125,12 +131,12 @@ def summarize(records: list[Record], seconds: float, slo_ttft: float, slo_tpot: 
             "e2e_s": percentiles([m["e2e"] for m in metrics])}
 
 
-async def bench_http(url: str, model: str, requests, rates, seed, slo) -> dict:
+async def bench_http(url: str, model: str, requests, rates, seed, slo, cache_salt: str | None = None) -> dict:
     results = {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         for rate in rates:
-            send = lambda r, rec: _http_request(session, url, model, r, rec)  # noqa: E731
+            send = lambda r, rec: _http_request(session, url, model, r, rec, cache_salt)  # noqa: E731
             records, seconds = await run_schedule(send, requests, arrival_offsets(len(requests), rate, seed))
             results[str(rate)] = summarize(records, seconds, *slo)
             replicas = [r.replica for r in records if r.replica is not None]
@@ -213,21 +219,40 @@ def router_ratios(runs: dict) -> dict:
     return ratios
 
 
-async def bench_direct(model: str, requests, rates, seed, slo) -> dict:
+def direct_engine(model: str):
+    """An in-process ``AsyncLLM`` with the server's engine settings: defaults, then
+    ``MINI_INFER_*`` (e.g. ``MINI_INFER_STREAM_INTERVAL``)."""
     from app.config import AppConfig
     from engine.async_llm import AsyncLLM
 
-    # the server's engine settings: defaults, then MINI_INFER_* (e.g. MINI_INFER_STREAM_INTERVAL)
-    llm = AsyncLLM(config=AppConfig.load({"model": model}).engine_config())
+    return AsyncLLM(config=AppConfig.load({"model": model}).engine_config())
+
+
+async def bench_direct(llm, requests, rates, seed, slo, cache_salt: str | None = None) -> dict:
     results = {}
-    try:
-        for rate in rates:
-            send = lambda r, rec: _direct_request(llm, r, rec)  # noqa: E731
-            records, seconds = await run_schedule(send, requests, arrival_offsets(len(requests), rate, seed))
-            results[str(rate)] = summarize(records, seconds, *slo)
-    finally:
-        llm.shutdown()
+    for rate in rates:
+        send = lambda r, rec: _direct_request(llm, r, rec, cache_salt)  # noqa: E731
+        records, seconds = await run_schedule(send, requests, arrival_offsets(len(requests), rate, seed))
+        results[str(rate)] = summarize(records, seconds, *slo)
     return results
+
+
+def http_over_direct(repeats: list[dict]) -> dict:
+    """Per rate: the median over repeats of each repeat's HTTP/direct ratio of output tok/s
+    and of TTFT p50 (the two runs of a repeat are back to back, so the machine's drift
+    cancels), with every repeat's ratio."""
+    ratios = {}
+    for rate in repeats[0]["http"]:
+        pairs = [(r["http"][rate], r["direct"][rate]) for r in repeats
+                 if rate in r["direct"] and r["http"][rate]["completed"] and r["direct"][rate]["completed"]]
+        if not pairs:
+            continue
+        tok = [h["output_tokens_per_s"] / d["output_tokens_per_s"] for h, d in pairs]
+        ttft = [h["ttft_s"]["p50"] / d["ttft_s"]["p50"] for h, d in pairs]
+        ratios[rate] = {"output_tokens_per_s": round(statistics.median(tok), 3),
+                        "ttft_p50": round(statistics.median(ttft), 3),
+                        "output_tokens_per_s_each": [round(x, 3) for x in tok]}
+    return ratios
 
 
 def server_parser(description: str) -> argparse.ArgumentParser:
@@ -254,7 +279,9 @@ def main() -> None:
     parser.add_argument("--router", default="prefix,pow2", help="with --replicas: request routers "
                         "to compare (AppConfig.request_router), comma-separated; ratios are the first "
                         "over each other")
-    parser.add_argument("--repeats", type=int, default=1, help="with --replicas: runs per router")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per router (with --replicas), or "
+                        "HTTP and direct runs, alternating, each repeat with its own cache_salt so "
+                        "that no repeat finds an earlier one's prefixes in the cache")
     parser.add_argument("--kv-cache-memory-gb", type=float, help="with --replicas: each engine "
                         "replica's KV cache (default: the engine's)")
     args = parser.parse_args()
@@ -273,15 +300,13 @@ def main() -> None:
             print(f"{name}: {ratio}")
         print(f"wrote {path}")
         return
-    http = asyncio.run(bench_http(args.url, args.model, requests, rates, args.seed, slo))
-    direct = {} if args.skip_direct else asyncio.run(bench_direct(args.model, requests, rates, args.seed, slo))
-    ratios = {rate: {"output_tokens_per_s": round(http[rate]["output_tokens_per_s"]
-                                                  / direct[rate]["output_tokens_per_s"], 3),
-                     "ttft_p50": round(http[rate]["ttft_s"]["p50"] / direct[rate]["ttft_s"]["p50"], 3)}
-              for rate in http if rate in direct and direct[rate]["completed"] and http[rate]["completed"]}
+    repeats = run_repeats(args, requests, rates, slo)
+    http, direct = repeats[0]["http"], repeats[0]["direct"]
     result = {"workload": workload["name"], "num_requests": len(requests), "model": args.model,
               "slo": {"ttft_s": slo[0], "tpot_s": slo[1]}, "machine": machine_info(),
-              "http": http, "direct": direct, "http_over_direct": ratios}
+              "http": http, "direct": direct, "http_over_direct": http_over_direct(repeats)}
+    if args.repeats > 1:
+        result["repeats"] = repeats
     path = write_result(f"serving-{workload['name']}", result, args.out)
     _plot(result, path.with_suffix(".png"))
     for rate in http:
@@ -292,7 +317,38 @@ def main() -> None:
         if d:
             line += f" | direct {d['output_tokens_per_s']:7.1f} tok/s, TTFT p50 {d['ttft_s'].get('p50', 0):.2f} s"
         print(line)
+    for rate, ratio in result["http_over_direct"].items():
+        print(f"rate {rate:>5}: http/direct {ratio['output_tokens_per_s']} (each repeat: "
+              f"{ratio['output_tokens_per_s_each']})")
     print(f"wrote {path} and {path.with_suffix('.png').name}")
+
+
+def run_repeats(args, requests, rates, slo) -> list[dict]:
+    """``args.repeats`` rounds of one HTTP and one direct run (the order alternates), round
+    ``i`` with ``cache_salt`` ``"repeat-i"`` where there is more than one. The direct engine
+    is built once, before the first round (its start-up is not measured)."""
+    llm = None if args.skip_direct else direct_engine(args.model)
+    repeats = []
+    try:
+        for i in range(args.repeats):
+            salt = f"repeat-{i}" if args.repeats > 1 else None
+            run = {}
+            for mode in ("http", "direct") if i % 2 == 0 else ("direct", "http"):
+                if mode == "http":
+                    run["http"] = asyncio.run(bench_http(args.url, args.model, requests, rates, args.seed, slo, salt))
+                else:
+                    run["direct"] = {} if llm is None else asyncio.run(
+                        bench_direct(llm, requests, rates, args.seed, slo, salt))
+            if args.repeats > 1:
+                print(f"repeat {i}: " + ", ".join(
+                    f"rate {rate}: http {run['http'][rate]['output_tokens_per_s']:.1f}"
+                    + (f" / direct {run['direct'][rate]['output_tokens_per_s']:.1f}" if run["direct"] else "")
+                    + " tok/s" for rate in run["http"]), flush=True)
+            repeats.append(run)
+    finally:
+        if llm is not None:
+            llm.shutdown()
+    return repeats
 
 
 def _plot(result: dict, path: Path) -> None:
