@@ -261,19 +261,29 @@ void merge_splits(const SplitGroup& s, const Output<scalar_t>& out, const Partia
 }
 
 template <class scalar_t>
-void run_plan(const Plan& plan, const AttentionProblem& problem, mini_infer::AttendFn attend, torch::Tensor& out) {
+void run_plan(const Plan& plan, const AttentionProblem& problem, int64_t num_kv_heads, mini_infer::AttendFn attend,
+              torch::Tensor& out) {
   const Output<scalar_t> output{out.data_ptr<scalar_t>(), out.stride(0), out.stride(1)};
   auto partial_storage = torch::empty({plan.num_partials * problem.group * (problem.head_dim + 2)},
                                       torch::dtype(torch::kFloat32));
   const Partials partials{partial_storage.data_ptr<float>(), problem.group, problem.head_dim};
   const int64_t num_work = static_cast<int64_t>(plan.work.size());
   const int64_t workers = plan.total_cost < kMinParallelWork ? 1 : std::min<int64_t>(at::get_num_threads(), num_work);
-  std::atomic<int64_t> next{0};  // tasks are taken in order, costliest first, by whichever thread is free
+  // Tasks are taken in order, costliest first, by whichever thread is free, `claim` at a time:
+  // with plenty of tasks, num_kv_heads of them, which in a decode batch are one sequence's KV
+  // heads (equal costs keep their order). A block holds every KV head's row of a token side
+  // by side, so the sequence's blocks then pass through one core's caches, not two. Decode,
+  // 2 threads, an AMD EPYC (avx512_bf16), medians of 7 alternating rounds against one task
+  // at a time: bf16 0.79-0.83x the time (b64 x ctx512 0.963 -> 0.796 ms), fp32 0.88-0.96x.
+  const int64_t claim = num_work >= kTasksPerThread * workers * num_kv_heads ? num_kv_heads : 1;
+  std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const ThreadBuffers buffers(plan.max_rows, problem.head_dim);
-    for (int64_t i = next++; i < num_work; i = next++) {
-      attend(problem, plan.work[i].task, buffers.view());
-      store_result(plan.work[i], buffers.view(), output, partials);
+    for (int64_t first = next.fetch_add(claim); first < num_work; first = next.fetch_add(claim)) {
+      for (int64_t i = first; i < std::min(num_work, first + claim); ++i) {
+        attend(problem, plan.work[i].task, buffers.view());
+        store_result(plan.work[i], buffers.view(), output, partials);
+      }
     }
   });
   // Contexts are split only when there are few tasks (kTasksPerThread per thread): a few merges.
@@ -318,9 +328,9 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   const Plan plan = plan_work(shape, group, num_splits);
   auto out = torch::empty_like(query);
   switch (query.scalar_type()) {
-    case torch::kFloat32: run_plan<float>(plan, problem, kernels.attend_f32, out); break;
-    case torch::kBFloat16: run_plan<c10::BFloat16>(plan, problem, kernels.attend_bf16, out); break;
-    case torch::kHalf: run_plan<c10::Half>(plan, problem, kernels.attend_f16, out); break;
+    case torch::kFloat32: run_plan<float>(plan, problem, shape.num_kv_heads, kernels.attend_f32, out); break;
+    case torch::kBFloat16: run_plan<c10::BFloat16>(plan, problem, shape.num_kv_heads, kernels.attend_bf16, out); break;
+    case torch::kHalf: run_plan<c10::Half>(plan, problem, shape.num_kv_heads, kernels.attend_f16, out); break;
     default: TORCH_CHECK(false, "paged_attention: dtype must be float32, bfloat16 or float16; got ", query.scalar_type());
   }
   return out;

@@ -1,7 +1,7 @@
 """The C++ CPU backend (``kernels.cpu_attention``) against ``kernels.reference``: every
 instruction-set path this CPU runs, forced one at a time, over shuffled block tables padded
 with -1 and NaN-poisoned caches: decode tokens (with and without the context split across
-threads), whole prompts, chunks after cached tokens and mixed batches; GQA groups 1, 3, 7;
+threads, few and many sequences), whole prompts, chunks after cached tokens and mixed batches; GQA groups 1, 3, 7;
 lengths 15, 16, 17 around a block boundary; head_dim 64, 128 and 80; fp32, bf16 and fp16."""
 import functools
 import re
@@ -28,6 +28,8 @@ SHAPES = {
     "mixed-g1-d80-b16": (MIXED, 2, 2, 80, 16),
     "mixed-g7-d128-b8": (MIXED, 14, 2, 128, 8),
     "long-decode-g3-d64-b16": ([(1000, 1), (2047, 1), (513, 1)], 9, 3, 64, 16),
+    # enough tasks that each thread claims a sequence's KV heads together (run_plan)
+    "many-decodes-g3-d64-b16": ([(40 + 7 * (i % 24), 1) for i in range(48)], 9, 3, 64, 16),
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ISAS = cpu_attention.supported_isas() if cpu_attention.is_available() else []
