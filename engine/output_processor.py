@@ -110,7 +110,7 @@ class OutputProcessor:
         reported = state.num_reported_tokens
         return all(reported.get(i, 0) > 0 and
                    state.sequences[i].num_output_tokens - reported[i] < self.stream_interval
-                   for i in dict.fromkeys(state.changed))
+                   for i in state.changed)
 
     def _detokenizer(self, state: RequestState, sequence: Request) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:

@@ -39,8 +39,7 @@ def set_wait_policy_env() -> bool:
         Whether this process's OpenMP runtime will see it: False when torch was imported
         before (libgomp has read its environment already).
     """
-    if not any(name in os.environ for name in USER_WAIT_SETTINGS):
-        os.environ.update(WAIT_POLICY_ENV)
+    os.environ.update(wait_policy_env())  # the user's own settings where there are any
     return "torch" not in sys.modules
 
 

@@ -183,6 +183,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One decoder layer's modules. ``LlamaForCausalLM.forward`` runs it as
+    ``layer_before_attention``, ``Attention.attend``, ``layer_after_attention`` (the two glue
+    functions compiled or not)."""
+
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -190,19 +194,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        q, k, v = layer_before_attention(self, x, cos, sin)
-        return layer_after_attention(self, x, self.self_attn.attend(q, k, v, kv_cache, meta))
-
 
 def layer_before_attention(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """The glue of ``DecoderLayer.forward`` up to the attention kernels: input RMSNorm, q/k/v
+    """A decoder layer's glue up to the attention kernels: input RMSNorm, q/k/v
     projection, RoPE. Returns ``(q, k, v)`` as ``Attention.project_qkv``."""
     return layer.self_attn.project_qkv(layer.input_layernorm(x), cos, sin)
 
 
 def layer_after_attention(layer: DecoderLayer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """The rest of ``DecoderLayer.forward`` after the attention kernels: output projection,
+    """A decoder layer's glue after the attention kernels: output projection,
     residual add, RMSNorm, SwiGLU MLP, residual add. ``o [num_tokens, num_heads, head_dim]``,
     ``x`` the layer's input; returns the layer's output ``[num_tokens, hidden_size]``."""
     x = x + layer.self_attn.o_proj(o.flatten(1))
