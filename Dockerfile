@@ -17,8 +17,10 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
+# RAY_SERVE_PROXY_USE_GRPC: Serve's proxy calls the ingress over gRPC (docs/DEPLOYMENT.md)
 ENV MINI_INFER_CACHE=/app/.model-cache \
     TORCH_EXTENSIONS_DIR=/app/.cache/torch_extensions \
+    RAY_SERVE_PROXY_USE_GRPC=1 \
     PATH=/app/.venv/bin:$PATH
 
 COPY pyproject.toml Makefile README.md ./

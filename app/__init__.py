@@ -63,12 +63,21 @@ def request_router_config(config: AppConfig) -> RequestRouterConfig:
                                "imbalanced_threshold": config.router_imbalanced_threshold})
 
 
+# The largest request an engine replica's gRPC server takes (Serve's interdeployment
+# transport, AppConfig.engine_transport): gRPC's own default is 4 MiB, less than a request body
+# may be (AppConfig.max_body_bytes); this is Serve's limit for the senders, 2 GiB - 1 (a signed
+# 32-bit length). Bodies are bounded by the ingress before they get here.
+GRPC_MAX_MESSAGE_BYTES = (1 << 31) - 1
+
+
 def engine_actor_options(config: AppConfig) -> dict:
     """Ray options of one engine replica: one GPU (``engine_wants_gpu``), else
-    ``engine_num_cpus`` CPUs, whose count its torch threads follow; either way the
-    OpenMP wait settings in its environment before torch loads (``engine.threads``)."""
+    ``engine_num_cpus`` CPUs, whose count its torch threads follow; in its environment, the
+    OpenMP wait settings before torch loads (``engine.threads``) and the largest request its
+    gRPC server takes (``GRPC_MAX_MESSAGE_BYTES``)."""
     resources = {"num_gpus": 1} if engine_wants_gpu(config.device) else {"num_cpus": config.engine_num_cpus}
-    return {**resources, "runtime_env": {"env_vars": wait_policy_env()}}
+    env_vars = {**wait_policy_env(), "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(GRPC_MAX_MESSAGE_BYTES)}
+    return {**resources, "runtime_env": {"env_vars": env_vars}}
 
 
 def engine_wants_gpu(device: str) -> bool:

@@ -52,6 +52,12 @@ class ServiceSettings(BaseModel):
     router_imbalanced_threshold: int = Field(
         16, ge=0, description="`prefix` router: ongoing requests between the most and the least "
         "loaded engine replica beyond which load decides, not the prefix.")
+    engine_transport: Literal["grpc", "ray"] = Field(
+        "grpc", description="How the ingress calls the engine replicas and their records stream "
+        "back: `grpc` is Serve's interdeployment gRPC transport (a gRPC stream per request, "
+        "DeploymentHandle `_by_reference=False`), `ray` Ray's actor calls (an object in Ray's "
+        "object store per streamed record), which cost the ingress and the engine replica more CPU "
+        "per token (docs/DEPLOYMENT.md, \"How requests cross between Serve's processes\").")
     api_key: str | None = Field(None, description="If set, every route but /health needs "
                                 "`Authorization: Bearer <api_key>`.")
     max_request_body_bytes: int | None = Field(

@@ -83,7 +83,8 @@ class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, config: AppConfig) -> None:
         self.config = config
         self.engine = engine
-        self.engine_stream = engine.options(stream=True)  # made once, used by every request
+        # made once, used by every request
+        self.engine_stream = engine.options(stream=True, _by_reference=config.engine_transport == "ray")
         self.http_metrics = fastapi_app.state.http_metrics = HttpMetrics()
         self._max_body_bytes = config.max_request_body_bytes
         self._health = CachedCheck(self._check_health, HEALTH_CACHE_S)

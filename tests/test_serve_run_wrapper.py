@@ -15,7 +15,7 @@ FAKE_SERVE = textwrap.dedent(f"""\
     #!{sys.executable}
     import os, sys, time
     try:
-        print(os.getpid(), "args", sys.argv[1:], flush=True)
+        print(os.getpid(), "args", sys.argv[1:], os.environ.get("RAY_SERVE_PROXY_USE_GRPC"), flush=True)
         while True:
             time.sleep(0.05)
     except KeyboardInterrupt:
@@ -24,7 +24,7 @@ FAKE_SERVE = textwrap.dedent(f"""\
 """)
 
 
-def _start(tmp_path: Path, ignore_sigint: bool) -> subprocess.Popen:
+def _start(tmp_path: Path, ignore_sigint: bool, env: dict | None = None) -> subprocess.Popen:
     (tmp_path / "python").symlink_to(sys.executable)
     serve = tmp_path / "serve"
     serve.write_text(FAKE_SERVE)
@@ -35,7 +35,7 @@ def _start(tmp_path: Path, ignore_sigint: bool) -> subprocess.Popen:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     return subprocess.Popen([str(tmp_path / "python"), str(WRAPPER), "app:deployment", "--port", "8123"],
-                            stdout=subprocess.PIPE, text=True, preexec_fn=before_exec)
+                            stdout=subprocess.PIPE, text=True, preexec_fn=before_exec, env=env)
 
 
 def _stop_with_sigterm(wrapper: subprocess.Popen) -> tuple[int, list[str]]:
@@ -55,8 +55,15 @@ def _stop_with_sigterm(wrapper: subprocess.Popen) -> tuple[int, list[str]]:
 
 def test_sigterm_reaches_serve_run_as_one_sigint(tmp_path):
     returncode, lines = _stop_with_sigterm(_start(tmp_path, ignore_sigint=False))
-    assert lines == ["args ['run', 'app:deployment', '--port', '8123']", "KeyboardInterrupt: shutting down"]
+    # the proxy's gRPC transport is on unless the environment says otherwise (next test)
+    assert lines == ["args ['run', 'app:deployment', '--port', '8123'] 1", "KeyboardInterrupt: shutting down"]
     assert returncode == 3  # serve run's own status
+
+
+def test_the_environment_decides_the_proxys_transport(tmp_path):
+    env = {**os.environ, "RAY_SERVE_PROXY_USE_GRPC": "0"}
+    returncode, lines = _stop_with_sigterm(_start(tmp_path, ignore_sigint=False, env=env))
+    assert lines[0] == "args ['run', 'app:deployment', '--port', '8123'] 0" and returncode == 3
 
 
 def test_sigterm_stops_serve_run_when_started_with_sigint_ignored(tmp_path):

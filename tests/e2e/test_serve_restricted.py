@@ -34,11 +34,12 @@ def restricted():
     # Capacity: 2 running + 2 waiting in the engine replica; the ingress admits no more.
     command = [SERVE, "run", "app:build_app", "max_num_seqs=2", "max_waiting_requests=2",
                "kv_cache_memory_gb=0.25", f"api_key={KEY}", "dtype=float32",
-               "request_body_timeout_s=2"]
+               "request_body_timeout_s=2", f"max_request_body_bytes={BODY_LIMIT}"]
     with ServeProcess(command, api_key=KEY) as app:
         yield app
 
 
+BODY_LIMIT = 16_000_000  # over gRPC's 4 MiB default message size, once pickled too
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
 # (method, path, body, status with the key): every route but /health is behind the key,
@@ -67,6 +68,19 @@ def test_every_route_but_health_needs_the_api_key(restricted, method, path, body
         assert (head.status_code, head.content) == (401, b"")
         head = requests.head(restricted.url + path, headers=AUTH, timeout=60)
         assert (head.status_code, head.content) == (status, b"")
+
+
+def test_a_request_over_grpcs_default_message_size_reaches_the_engine_replica(restricted):
+    """The ingress calls the engine over Serve's gRPC transport (``engine_transport``), whose
+    servers take 4 MiB unless told more: the engine replica is told 2 GiB
+    (``app.GRPC_MAX_MESSAGE_BYTES``), so a request under ``max_request_body_bytes`` (12 MB of
+    JSON here, about 6 MB pickled) gets the engine's own answer, not a transport error."""
+    body = {"model": MODEL, "prompt": [40000] * 2_000_000, "max_tokens": 1}
+    response = requests.post(restricted.url + "/v1/completions", json=body, headers=AUTH, timeout=120)
+    assert response.status_code == 400, response.text[:300]
+    assert response.json() == {"error": {
+        "message": "prompt (2000000 tokens) + at least 1 output token exceeds max_model_len (8192)",
+        "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}}
 
 
 def test_health_is_open(restricted):
