@@ -21,6 +21,8 @@ def test_unknown_and_invalid_settings_name_the_field():
         AppConfig.load({"max_num_seq": 4})
     with pytest.raises(ValidationError, match="gpu_memory_utilization"):
         AppConfig.load({"gpu_memory_utilization": 1.5})
+    with pytest.raises(ValidationError, match=r"engine_transport\n  Input should be 'grpc' or 'ray'"):
+        AppConfig.load({"engine_transport": "tcp"})
 
 
 @pytest.mark.parametrize("device,cluster_gpus,expected", [
