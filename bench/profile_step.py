@@ -26,7 +26,7 @@ from engine.sampling_params import RequestOutputKind
 # the compiled glue (``engine.models.llama.compile_glue``) calls them directly, an ``addmm``
 # where a bias or a residual add is folded in.
 GROUPS = {
-    "matmul": ("aten::mm", "aten::addmm"),
+    "matmul": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
     "attention": ("mini_infer::paged_attention",),
     "kv store": ("mini_infer::store_kv",),
 }

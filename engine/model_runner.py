@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.cuda_memory import CudaMemory, kv_cache_bytes
 from engine.device import cpu_has_bf16_matmul, resolve_device, resolve_dtype
 from engine.loader import LoadedModel, init_dummy_weights
-from engine.models import AttentionMetadata, build_model, head_dim_of
+from engine.models import AttentionMetadata, build_model, can_prepack_weights, head_dim_of
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SamplingRow, ScheduledRequest, SchedulerOutput
@@ -72,8 +72,9 @@ class BatchInputs:
     sample_rows: list[int]         # indices into SchedulerOutput.scheduled
 
 
-# (model config JSON, dtype, upcast_matmul) whose glue this process compiled (ModelRunner._compile_glue)
-_GLUE_COMPILED: set[tuple[str, torch.dtype, bool]] = set()
+# (model config JSON, dtype, upcast_matmul, prepacked_weights) whose glue this process compiled
+# (ModelRunner._compile_glue)
+_GLUE_COMPILED: set[tuple[str, torch.dtype, bool, bool]] = set()
 
 
 class ModelRunner:
@@ -133,6 +134,12 @@ class ModelRunner:
         # (a 135M model: +0.5 GiB); a 7B model on a CPU converts per call instead.
         fp32_bytes = 4 * sum(p.numel() for p in model.parameters())
         model.set_upcast_matmul(self.upcast_matmul, cache_fp32=fp32_bytes <= psutil.virtual_memory().total // 8)
+        # bf16 matmuls on the CPU's own bf16 units: weights reordered once for oneDNN, not per call.
+        self.prepacked_weights = (self.device.type == "cpu" and self.dtype == torch.bfloat16
+                                  and not self.upcast_matmul and can_prepack_weights())
+        if self.prepacked_weights:
+            model.prepack_weights()
+            logger.info("bf16 weights prepacked for oneDNN")
         return model.eval()
 
     def kv_bytes_per_block(self) -> int:
@@ -213,7 +220,7 @@ class ModelRunner:
         self.model.compile_glue()
         # torch.compile's graphs belong to the process: an engine of a model of the same
         # config, dtype and matmul mode built in it before (tests build many) reuses them.
-        signature = (self.model.config.to_json_string(), self.dtype, self.upcast_matmul)
+        signature = (self.model.config.to_json_string(), self.dtype, self.upcast_matmul, self.prepacked_weights)
         if signature in _GLUE_COMPILED:
             return True
         lens = self._full_budget_lens()

@@ -1,7 +1,7 @@
 """Model definitions. Every supported architecture is a Llama-family decoder."""
 from __future__ import annotations
 
-from engine.models.llama import AttentionMetadata, LlamaForCausalLM, head_dim_of
+from engine.models.llama import AttentionMetadata, LlamaForCausalLM, can_prepack_weights, head_dim_of
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -19,5 +19,5 @@ def build_model(config, max_position: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(config, max_position)
 
 
-__all__ = ["AttentionMetadata", "LlamaForCausalLM", "build_model", "head_dim_of",
+__all__ = ["AttentionMetadata", "LlamaForCausalLM", "build_model", "can_prepack_weights", "head_dim_of",
            "SUPPORTED_MODEL_TYPES"]

@@ -41,8 +41,49 @@ class AttentionMetadata:
     num_decodes: int = 0
 
 
+def can_prepack_weights() -> bool:
+    """Whether this torch build and CPU run oneDNN's bf16 matmul on prepacked weights
+    (``Linear.prepack``): oneDNN is built in and the CPU has bf16 instructions."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@torch.library.custom_op("mini_infer::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a weight ``Linear.prepack`` reordered.
+
+    Args:
+        x: ``[num_tokens, in_features]``, bf16.
+        packed_weight: the weight in oneDNN's blocked layout (``torch._mkldnn`` layout).
+        bias: ``[out_features]`` or None.
+        out_features: the weight's rows (the blocked tensor's shape is not traced).
+
+    Returns:
+        ``[num_tokens, out_features]`` in ``x``'s dtype.
+
+    An opaque op to ``torch.compile``: Inductor's own lowering of ``mkldnn._linear_pointwise``
+    takes the weight only as a constant of a frozen graph, and the compiled glue takes each
+    layer's weights as inputs (one graph serves every layer).
+    """
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_fake(x, packed_weight, bias, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` that can run its matmul in fp32 while storing bf16 or fp16 (``upcast``).
+    """``nn.Linear`` with two CPU modes: a bf16 matmul on a prepacked weight (``prepack``) and
+    a matmul in fp32 while storing bf16 or fp16 (``upcast``).
+
+    **Prepacked** (CPUs with bf16 instructions): torch's bf16 ``F.linear`` hands oneDNN the
+    weight in its plain ``[out, in]`` layout, and oneDNN reorders it into its blocked
+    layout on every call. ``prepack`` reorders it once at load time (what Inductor's
+    freezing pass does for constant weights, ``torch._inductor.fx_passes.mkldnn_fusion``).
+    Measured on an AMD EPYC with AVX512-BF16, SmolLM2-135M's shapes, 30 layers: 1.16-1.49x
+    faster at 64 tokens, 1.36-1.52x at 16, 1.03-1.05x at 2,048, bit-identical outputs. The
+    plain weight is released (``weight`` becomes None): the blocked copy is the only one.
 
     On CPUs without half-precision matrix instructions, torch's bf16 GEMM is an emulation 4x
     slower than fp32 (57 vs 233 GFLOP/s, 2048-square, measured on this project's CI CPU).
@@ -55,8 +96,11 @@ class Linear(nn.Linear):
     upcast = False
     weight_fp32: torch.Tensor | None = None
     bias_fp32: torch.Tensor | None = None
+    packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.bias, self.out_features)
         if not self.upcast:
             return super().forward(x)
         weight = self.weight.float() if self.weight_fp32 is None else self.weight_fp32
@@ -64,6 +108,19 @@ class Linear(nn.Linear):
         if bias is None and self.bias is not None:
             bias = self.bias.float()
         return F.linear(x.float(), weight, bias).to(x.dtype)
+
+    def prepack(self) -> None:
+        """Reorder the bf16 weight into oneDNN's blocked layout (``packed_weight``) and release
+        the plain one (``weight`` is None after; load weights before).
+
+        Raises:
+            RuntimeError: where ``can_prepack_weights()`` is False or the weight is not bf16.
+        """
+        if self.weight.dtype != torch.bfloat16 or not can_prepack_weights():
+            raise RuntimeError(f"prepacked weights need bf16 weights and oneDNN's bf16 support; "
+                               f"weight is {self.weight.dtype}, support {can_prepack_weights()}")
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self.weight = None
 
     def set_upcast(self, upcast: bool, cache_fp32: bool) -> None:
         self.upcast = upcast
@@ -228,6 +285,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.upcast_matmul = False
         self.lm_head_fp32: torch.Tensor | None = None
+        self.lm_head_packed: torch.Tensor | None = None  # see prepack_weights
         self.compiled_glue = None  # (before, after) attention: see compile_glue
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -269,11 +327,27 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden_size]`` -> fp32 logits ``[n, vocab_size]``."""
+        if self.lm_head_packed is not None:
+            return packed_linear(hidden, self.lm_head_packed, None, self.config.vocab_size).float()
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         if self.upcast_matmul:
             weight = weight.float() if self.lm_head_fp32 is None else self.lm_head_fp32
             return F.linear(hidden.float(), weight)
         return F.linear(hidden, weight).float()
+
+    def prepack_weights(self) -> None:
+        """Every projection and the LM head on prepacked bf16 weights (``Linear.prepack``);
+        call after ``load_weights``. A tied LM head keeps the embedding's plain weight (the
+        lookup needs it) and gets a blocked copy.
+
+        Raises:
+            RuntimeError: as ``Linear.prepack``.
+        """
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        self.lm_head_packed = (torch.ops.mkldnn._reorder_linear_weight(self.embed_tokens.weight.detach(), None)
+                               if self.tie_word_embeddings else self.lm_head.packed_weight)
 
     def set_upcast_matmul(self, upcast: bool, cache_fp32: bool = False) -> None:
         """Run every matmul in fp32 over the stored dtype (see ``Linear``), keeping fp32
