@@ -53,6 +53,8 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, backend: str = "torch")
     """Write new K/V into the paged cache. Arguments as ``kernels.reference.store_kv``."""
     if backend == "triton":
         from kernels.triton_store_kv import store_kv as impl
+    elif backend == "cpu":
+        from kernels.cpu_attention import store_kv as impl
     else:
         from kernels.reference import store_kv as impl
     impl(key, value, k_cache, v_cache, slot_mapping)

@@ -1,7 +1,7 @@
 """Pure-torch reference kernels: the single source of truth for KV storage and paged attention.
 
 Every other implementation (the Triton kernels, any fast CPU path) is tested against these
-two functions, and the CPU engine runs them directly. They favour obviousness over speed:
+two functions, and the "torch" backend runs them directly. They favour obviousness over speed:
 one Python loop over sequences, fp32 arithmetic inside.
 
 Cache layout (vLLM's, see DESIGN.md): per layer, ``k_cache`` and ``v_cache`` are

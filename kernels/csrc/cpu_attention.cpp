@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -336,7 +337,57 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   return out;
 }
 
+// Writes each token's key and value rows into its cache slot: kernels/reference.py's store_kv.
+// key, value: [num_tokens, num_kv_heads, head_dim] in the caches' dtype, any strides with
+// head_dim contiguous; slot_mapping: [num_tokens] int64, flat slot per token, -1 skips one.
+// Every slot is checked before anything is written.
+void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache, torch::Tensor& v_cache,
+              const torch::Tensor& slot_mapping) {
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && k_cache.device().is_cpu() &&
+                  v_cache.device().is_cpu() && slot_mapping.device().is_cpu(),
+              "store_kv: CPU tensors only");
+  TORCH_CHECK(key.dim() == 3 && k_cache.dim() == 4, "store_kv: key [T, KVH, D], cache [N, B, KVH, D]");
+  TORCH_CHECK(key.sizes() == value.sizes(), "store_kv: key and value differ in shape");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "store_kv: k_cache and v_cache differ in shape or strides");
+  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3),
+              "store_kv: key [T, ", key.size(1), ", ", key.size(2), "] does not fit cache rows [", k_cache.size(2),
+              ", ", k_cache.size(3), "]");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "store_kv: key, value and caches must share a dtype");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && k_cache.stride(3) == 1,
+              "store_kv: head_dim must be contiguous");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == torch::kInt64 &&
+                  slot_mapping.numel() == key.size(0),
+              "store_kv: slot_mapping must be int64 [num_tokens]");
+  const auto slots = slot_mapping.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), block_size = k_cache.size(1);
+  const int64_t num_slots = k_cache.size(0) * block_size;
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slot[t] >= -1 && slot[t] < num_slots, "store_kv: slot_mapping[", t, "] = ", slot[t],
+                " is outside the cache's ", num_slots, " slots");
+  const int64_t element = key.element_size(), row_bytes = key.size(2) * element;
+  const char* k_src = static_cast<const char*>(key.data_ptr());
+  const char* v_src = static_cast<const char*>(value.data_ptr());
+  char* k_dst = static_cast<char*>(k_cache.data_ptr());
+  char* v_dst = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slot[t] < 0) continue;
+    const int64_t cache_row = slot[t] / block_size * k_cache.stride(0) + slot[t] % block_size * k_cache.stride(1);
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t dst = (cache_row + h * k_cache.stride(2)) * element;
+      std::memcpy(k_dst + dst, k_src + (t * key.stride(0) + h * key.stride(1)) * element, row_bytes);
+      std::memcpy(v_dst + dst, v_src + (t * value.stride(0) + h * value.stride(1)) * element, row_bytes);
+    }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("store_kv", &store_kv, "Write new keys and values into their paged-cache slots", py::arg("key"),
+        py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention, "Paged causal attention on the CPU (decode tokens and prefill chunks)",
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("isa") = "auto", py::arg("num_splits") = 0,

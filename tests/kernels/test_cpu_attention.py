@@ -2,7 +2,8 @@
 instruction-set path this CPU runs, forced one at a time, over shuffled block tables padded
 with -1 and NaN-poisoned caches: decode tokens (with and without the context split across
 threads, few and many sequences), whole prompts, chunks after cached tokens and mixed batches; GQA groups 1, 3, 7;
-lengths 15, 16, 17 around a block boundary; head_dim 64, 128 and 80; fp32, bf16 and fp16."""
+lengths 15, 16, 17 around a block boundary; head_dim 64, 128 and 80; fp32, bf16 and fp16. And
+the C++ store of new K/V against the reference's."""
 import functools
 import re
 import shutil
@@ -184,3 +185,31 @@ def test_the_kernel_releases_the_gil():
     assert sum(end - begin for begin, end in middles) > 0.02, "the calls are too short to tell"
     inside = [t for t in samples if any(begin < t < end for begin, end in middles)]
     assert len(inside) >= 10, f"{len(inside)} samples inside calls of {[round(1000 * (e - b)) for b, e in span]} ms"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_what_the_reference_writes(dtype):
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 12, 16, 3, 64).to(dtype).unbind(0)
+    # k and v as the model makes them: views into one q/k/v projection output (rows 960 apart)
+    qkv = torch.randn(20, 960).to(dtype)
+    key, value = qkv[:, 576:768].view(20, 3, 64), qkv[:, 768:].view(20, 3, 64)
+    slots = torch.randperm(12 * 16)[:20]
+    slots[[3, 11]] = -1  # tokens that own no slot
+    ours, theirs = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
+    kernels.store_kv(key, value, *ours, slots, backend="cpu")
+    reference.store_kv(key, value, *theirs, slots)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    assert not torch.equal(ours[0], k_cache) and torch.equal(ours[0].view(-1, 3, 64)[slots[0]], key[0])
+
+
+def test_store_kv_refuses_a_slot_outside_the_cache_and_writes_nothing():
+    k_cache, v_cache = torch.zeros(2, 4, 16, 3, 64).unbind(0)
+    key = torch.ones(3, 3, 64)
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[2\] = 64 is outside the cache's 64 slots"):
+        cpu_attention.store_kv(key, key, k_cache, v_cache, torch.tensor([0, 5, 64]))
+    assert not k_cache.any() and not v_cache.any()
+    with pytest.raises(RuntimeError, match=r"key \[T, 2, 64\] does not fit cache rows \[3, 64\]"):
+        cpu_attention.store_kv(torch.ones(3, 2, 64), torch.ones(3, 2, 64), k_cache, v_cache, torch.tensor([0, 1, 2]))
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        cpu_attention.store_kv(key.bfloat16(), key.bfloat16(), k_cache, v_cache, torch.tensor([0, 1, 2]))
