@@ -4,21 +4,26 @@
 
 It queues the whole workload, then profiles (torch.profiler, CPU time by operator) the first
 step (a 2048-token prefill) and a decode step once every request is running, and reports the
-share of matmuls (``aten::mm``, ``aten::addmm``), attention (``kernels.paged_attention``: the C++ decode
-kernel or SDPA), the KV store, and everything else.
+share of matmuls (``aten::mm``, ``aten::addmm``, oneDNN's ``_linear_pointwise`` on prepacked
+weights), attention (``kernels.paged_attention``: the C++ decode kernel or SDPA), the KV
+store, and everything else; then the decode step's shares again without the profiler
+(``unprofiled_decode``).
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import time
 from pathlib import Path
 
 from common import load_workload, machine_info, write_result
+import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import kernels
 from engine import LLM, SamplingParams
+from engine.models.llama import Linear
 from engine.sampling_params import RequestOutputKind
 
 # Inclusive CPU time of these profiler events; none of them nests inside another. Matmuls
@@ -57,6 +62,60 @@ def profile_step(engine) -> dict:
             "share": shares}
 
 
+class _Timed:
+    """Wall time spent inside ``fn`` while ``on`` (``time.perf_counter``; no profiler)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.on, self.seconds = fn, False, 0.0
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        if not self.on:
+            return self.fn(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def unprofiled_decode(engine, attention: _Timed, kv_store: _Timed, steps: int = 8) -> dict:
+    """A decode step's shares without the profiler, which adds ~10% to a step, all of it to
+    "other": the median wall time of ``steps`` decode steps; attention and the KV store timed
+    around their calls; the matmuls replayed right after at the same shapes (every ``Linear``
+    of the model and the LM head on ``num_seqs`` random rows: the step's own GEMMs cannot be
+    timed from Python inside the compiled glue). "other" is what remains."""
+    walls, attn, store = [], [], []
+    for _ in range(steps):
+        attention.seconds = kv_store.seconds = 0.0
+        attention.on = kv_store.on = True
+        start = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - start)
+        attention.on = kv_store.on = False
+        attn.append(attention.seconds)
+        store.append(kv_store.seconds)
+    model = engine.model_runner.model
+    num_seqs = engine.stats()["num_running"]
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    inputs = {m.in_features: torch.randn(num_seqs, m.in_features, dtype=engine.model_runner.dtype) for m in linears}
+    replays = []
+    with torch.inference_mode():
+        for _ in range(steps):
+            start = time.perf_counter()
+            for m in linears:
+                m(inputs[m.in_features])
+            model.compute_logits(inputs[model.config.hidden_size])
+            replays.append(time.perf_counter() - start)
+    seconds = {"matmul (replayed)": statistics.median(replays), "attention": statistics.median(attn),
+               "kv store": statistics.median(store)}
+    wall = statistics.median(walls)
+    shares = {name: round(t / wall, 3) for name, t in seconds.items()}
+    shares["other (python, norms, rope, sampler, ...)"] = round(1 - sum(shares.values()), 3)
+    return {"wall_s": round(wall, 4), "num_seqs": num_seqs, "steps": steps,
+            "seconds": {k: round(v, 4) for k, v in seconds.items()}, "share": shares}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", type=Path, required=True)
@@ -65,8 +124,9 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no compiled glue")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    kernels.paged_attention = _labelled(kernels.paged_attention, GROUPS["attention"][0])
-    kernels.store_kv = _labelled(kernels.store_kv, GROUPS["kv store"][0])
+    timed_attention = _Timed(_labelled(kernels.paged_attention, GROUPS["attention"][0]))
+    timed_store = _Timed(_labelled(kernels.store_kv, GROUPS["kv store"][0]))
+    kernels.paged_attention, kernels.store_kv = timed_attention, timed_store
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=args.enforce_eager)
     engine = llm.llm_engine
     requests = load_workload(args.workload)["requests"]
@@ -81,12 +141,14 @@ def main() -> None:
         engine.step()
     decode = profile_step(engine)
     decode["num_seqs"] = engine.stats()["num_running"]
+    unprofiled = unprofiled_decode(engine, timed_attention, timed_store)
     result = {"workload": args.workload.name, "model": args.model, "dtype": args.dtype,
               "attention_backend": engine.model_runner.backend,
-              "compiled_glue": engine.model_runner.compiled_glue, "machine": machine_info(),
-              "prefill_step": prefill, "decode_step": decode}
+              "compiled_glue": engine.model_runner.compiled_glue,
+              "prepacked_weights": engine.model_runner.prepacked_weights, "machine": machine_info(),
+              "prefill_step": prefill, "decode_step": decode, "decode_step_unprofiled": unprofiled}
     path = write_result(f"profile-step-{args.dtype}", result, args.out)
-    for name in ("prefill_step", "decode_step"):
+    for name in ("prefill_step", "decode_step", "decode_step_unprofiled"):
         step = result[name]
         shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in step["share"].items())
         print(f"{name}: {1000 * step['wall_s']:.0f} ms: {shares}")
