@@ -17,8 +17,8 @@ import statistics
 import time
 from pathlib import Path
 
-from common import load_workload, machine_info, write_result
 import torch
+from common import load_workload, machine_info, write_result
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import kernels
