@@ -271,7 +271,7 @@ def run_engine(backend: str, dry_run: bool, model: str = MODEL, device: str = "c
     result["triton_variants_after_runs"] = compiled_variant_counts()
     result["output_tokens_per_s"] = result["warm"]["output_tokens_per_s"]
     batch1 = decode_steps(engine, 1, steps, prompt_len)
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model_runner.model.parameters())
+    weight_bytes = engine.model_runner.model.weight_bytes()
     result["batch1_decode"] = batch1 | {"weight_gb": round(weight_bytes / 1e9, 2)}
     if device == "cuda":
         result["batch1_decode"] |= weight_read_limit(batch1["median_ms"], weight_bytes)

@@ -349,6 +349,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed = (torch.ops.mkldnn._reorder_linear_weight(self.embed_tokens.weight.detach(), None)
                                if self.tie_word_embeddings else self.lm_head.packed_weight)
 
+    def weight_bytes(self) -> int:
+        """Bytes of the model's weights, each counted once: the parameters, and each prepacked
+        projection's blocked copy in place of the plain weight it replaced (``prepack_weights``;
+        a tied LM head's blocked copy of the embedding is not counted again)."""
+        packed = [m.packed_weight for m in self.modules() if isinstance(m, Linear) and m.packed_weight is not None]
+        return sum(t.numel() * t.element_size() for t in [*self.parameters(), *packed])
+
     def set_upcast_matmul(self, upcast: bool, cache_fp32: bool = False) -> None:
         """Run every matmul in fp32 over the stored dtype (see ``Linear``), keeping fp32
         copies of the weights when ``cache_fp32`` (call after the weights are loaded)."""

@@ -44,6 +44,8 @@ def test_bf16_engine_prepacks_every_projection_and_generates_the_same_tokens_as_
     assert plain.llm_engine.model_runner.prepacked_weights is False
     assert all(m.packed_weight is None for m in plain.llm_engine.model_runner.model.modules()
                if isinstance(m, Linear))
+    # the weights counted once either way: 134.5M bf16 parameters of SmolLM2-135M
+    assert runner.model.weight_bytes() == plain.llm_engine.model_runner.model.weight_bytes() == 2 * 134_515_008
     prompts = mixed_prompts[:6]
     assert _tokens(packed, prompts) == _tokens(plain, prompts)
     assert_idle(packed)
