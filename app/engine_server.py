@@ -42,6 +42,22 @@ def replica_device(device: str) -> str:
     return device
 
 
+def log_engine_through_serve() -> None:
+    """In a Serve replica: the engine's and the kernels' log lines at INFO and above (the
+    model, dtype, KV blocks and backend it started with, the CPU attention kernels, prepacked
+    weights, compile times, a failed step) go where Serve's own go, its ``"ray.serve"``
+    logger's handlers: the replica's log file and ``serve run``'s output. Serve sets up only
+    that logger; without this, the engine's INFO lines reached no handler."""
+    handlers = logging.getLogger("ray.serve").handlers
+    for name in ("engine", "kernels"):
+        library = logging.getLogger(name)
+        library.setLevel(logging.INFO)
+        library.propagate = False  # not twice, where the worker's root logger has a handler too
+        for handler in handlers:
+            if handler not in library.handlers:
+                library.addHandler(handler)
+
+
 class EngineServer:
     """Holds the model and its step loop; the ingress calls ``generate`` with a streaming
     handle. Everything crossing the Ray boundary is plain data.
@@ -52,13 +68,14 @@ class EngineServer:
 
     def __init__(self, config: AppConfig) -> None:
         self.config = config
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+            log_engine_through_serve()
+        except Exception:  # noqa: BLE001 - outside Serve (tests): any unique name will do
+            self.replica_id = uuid.uuid4().hex[:8]
         engine_config = config.engine_config()
         engine_config = dataclasses.replace(engine_config, device=replica_device(config.device))
         self.llm = AsyncLLM(config=engine_config)
-        try:
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
-        except Exception:  # noqa: BLE001 - outside Serve (tests): any unique name will do
-            self.replica_id = uuid.uuid4().hex[:8]
         self.metrics = EngineMetrics(config.model_name, self.replica_id)
         self.latencies = RecentLatencies()  # the dashboard's TTFT and ITL percentiles
         self.node_id = node_id()

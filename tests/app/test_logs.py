@@ -77,3 +77,19 @@ def test_a_client_that_disconnects_is_one_info_line(api):
         assert len(lines) == 1, (request_id, lines)
         assert " INFO " in lines[0] and "-> 499 client_closed_request: the client disconnected" in lines[0]
     _no_tracebacks(api)
+
+
+def test_the_engine_replica_logs_how_its_engine_started(api):
+    """The engine's own INFO lines reach ``serve run``'s output through Serve's logger
+    (``app.engine_server.log_engine_through_serve``), so the README's "the engine logs which
+    kernels" holds for ``make run``."""
+    from engine.device import cpu_has_bf16_matmul
+    from engine.models import can_prepack_weights
+
+    log = api.log_path.read_text(errors="replace")
+    ready = [line for line in log.splitlines() if "engine ready: smollm2-135m-instruct" in line]
+    assert ready and " INFO " in ready[0], log[-3000:]
+    if "attention cpu" in ready[0]:
+        assert "CPU attention: the " in log
+    if cpu_has_bf16_matmul() and can_prepack_weights() and "torch.bfloat16 on cpu" in ready[0]:
+        assert "bf16 weights prepacked for oneDNN" in log
