@@ -70,9 +70,10 @@ class EngineServer:
         self.config = config
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
-            log_engine_through_serve()
         except Exception:  # noqa: BLE001 - outside Serve (tests): any unique name will do
             self.replica_id = uuid.uuid4().hex[:8]
+        else:
+            log_engine_through_serve()
         engine_config = config.engine_config()
         engine_config = dataclasses.replace(engine_config, device=replica_device(config.device))
         self.llm = AsyncLLM(config=engine_config)

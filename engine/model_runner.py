@@ -99,6 +99,9 @@ class ModelRunner:
         # Half-precision weights on a CPU without half-precision matrix units: fp32 matmuls.
         self.upcast_matmul = (self.device.type == "cpu" and self.dtype != torch.float32
                               and not cpu_has_bf16_matmul())
+        # bf16 matmuls on the CPU's own bf16 units: weights reordered once for oneDNN, not per call.
+        self.prepacked_weights = (self.device.type == "cpu" and self.dtype == torch.bfloat16
+                                  and not self.upcast_matmul and can_prepack_weights())
         self.block_size = config.cache.block_size
         hf = loaded.config
         self.num_layers = hf.num_hidden_layers
@@ -134,9 +137,6 @@ class ModelRunner:
         # (a 135M model: +0.5 GiB); a 7B model on a CPU converts per call instead.
         fp32_bytes = 4 * sum(p.numel() for p in model.parameters())
         model.set_upcast_matmul(self.upcast_matmul, cache_fp32=fp32_bytes <= psutil.virtual_memory().total // 8)
-        # bf16 matmuls on the CPU's own bf16 units: weights reordered once for oneDNN, not per call.
-        self.prepacked_weights = (self.device.type == "cpu" and self.dtype == torch.bfloat16
-                                  and not self.upcast_matmul and can_prepack_weights())
         if self.prepacked_weights:
             model.prepack_weights()
             logger.info("bf16 weights prepacked for oneDNN")
