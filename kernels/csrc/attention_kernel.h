@@ -45,17 +45,20 @@ struct AttentionTask {
   int64_t key_begin, key_end;
 };
 
-// A task's result and its working memory, owned by the calling thread.
+// A task's result and its working memory, owned by the calling thread. `rows` is rounded up
+// to a multiple of kMaxTileKeys (prefill tasks pad their rows to whole vectors).
 struct TaskBuffers {
   float* acc;      // [rows, head_dim] out: sum over keys of exp(s - row_max) * v
   float* row_max;  // [rows] out: the largest score seen (-inf if none)
   float* row_sum;  // [rows] out: sum over keys of exp(s - row_max)
   float* alpha;    // [rows] scratch
-  float* scores;   // [rows, kMaxTileKeys] scratch
+  float* scores;   // [rows, kMaxTileKeys] scratch (or [kMaxTileKeys, rows], key-major)
   void* query;     // [rows, head_dim] scratch: fp32 (bf16 on the native bf16 dot path)
   float* k_tile;   // [kMaxTileKeys, head_dim] scratch
   float* v_tile;   // [kMaxTileKeys, head_dim] scratch
-  const float* zeros;  // [head_dim] zeros: the missing keys of a short tile
+  const float* zeros;     // [head_dim] zeros: the missing keys of a short tile
+  float* row_pos;         // [rows] scratch: each query row's position
+  uint32_t* prob_pairs;   // [kMaxTileKeys / 2, rows] scratch: probabilities as bf16 pairs
 };
 
 using AttendFn = void (*)(const AttentionProblem&, const AttentionTask&, const TaskBuffers&);

@@ -196,11 +196,13 @@ class ThreadBuffers {
  public:
   ThreadBuffers(int64_t rows, int64_t head_dim) {
     const int64_t tile = mini_infer::kMaxTileKeys;
-    storage_.resize(rows * head_dim * 2 + rows * (3 + tile) + (2 * tile + 1) * head_dim);
+    rows = (rows + tile - 1) / tile * tile;  // whole vectors of rows, at any vector width
+    storage_.resize(rows * head_dim * 2 + rows * (4 + tile + tile / 2) + (2 * tile + 1) * head_dim);
     float* next = storage_.data();
     auto take = [&next](int64_t n) { float* out = next; next += n; return out; };
     view_ = {take(rows * head_dim), take(rows), take(rows), take(rows), take(rows * tile),
-             take(rows * head_dim), take(tile * head_dim), take(tile * head_dim), take(head_dim)};
+             take(rows * head_dim), take(tile * head_dim), take(tile * head_dim), take(head_dim), take(rows),
+             reinterpret_cast<uint32_t*>(take(rows * tile / 2))};
   }
   const TaskBuffers& view() const { return view_; }
 

@@ -33,6 +33,8 @@ inline vfloat vscale_pow2(vfloat y, vfloat k) { return _mm512_scalef_ps(y, k); }
 inline vfloat vzero_below(vfloat x, float limit, vfloat y) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_LT_OQ)), y);
 }
+// x in the lanes where a <= b, else y.
+inline vfloat vselect_le(vfloat a, vfloat b, vfloat x, vfloat y) { return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ), x); }
 
 // Lane r = the sum of the lanes of rows[r], r < 16: a transposing add tree (45 instructions
 // instead of 16 horizontal sums of 8 each).
@@ -77,38 +79,87 @@ vfloat vdot(const bf16_t* q, const bf16_t* k, int64_t runtime_head_dim) {
   return acc;
 }
 
-// P @ V with vdpbf16ps, two value rows per instruction: probabilities rounded to bf16 (as flash
-// attention rounds them before P @ V), products exact, sums fp32. unpacklo/hi_epi16 of rows r
-// and r + 1 pair the elements {0-3, 8-11, 16-19, 24-27} and {4-7, 12-15, 20-23, 28-31} of
-// each 32; the accumulator keeps that order until natural_order() at the end of the task.
-// head_dim a multiple of 32.
+// A bf16 row's elements 2j and 2j + 1 as one 32-bit word (element 2j in the low half).
+inline uint32_t bf16_pair(const bf16_t* row, int64_t j) {
+  uint32_t word;
+  std::memcpy(&word, row + 2 * j, sizeof(word));
+  return word;
+}
+
+// The bf16 pairs of kRows rows of probabilities (each row's kMaxTileKeys in a row):
+// pairs[i * kMaxTileKeys / 2 + j] = bf16(p[i][2j]) | bf16(p[i][2j + 1]) << 16.
 template <int kRows>
-void accumulate_rows_bf16(const float* probs, const float* alpha, int64_t m0, const bf16_t* const* values, int n,
-                          int64_t head_dim, float* acc) {
-  alignas(64) uint32_t pairs[kRows][kMaxTileKeys / 2];  // bf16(p[2j]) | bf16(p[2j + 1]) << 16
+void pack_row_pairs(const float* probs, uint32_t* pairs) {
   for (int i = 0; i < kRows; ++i)
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[i]),
-                       (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(probs + (m0 + i) * kMaxTileKeys)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + i * kMaxTileKeys / 2),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(probs + i * kMaxTileKeys)));
+}
+
+// The same pairs from probabilities stored key-major, st[r * R + m] for keys r < n (rounded up
+// to even; the row past an odd n holds zeros) and R rows (a multiple of 16):
+// pairs[j * R + m] = bf16(st[2j][m]) | bf16(st[2j + 1][m]) << 16.
+inline void pack_key_major_pairs(const float* st, int64_t R, int n, uint32_t* pairs) {
+  for (int j = 0; j < (n + 1) / 2; ++j)
+    for (int64_t m = 0; m < R; m += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(st + 2 * j * R + m)));
+      const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(st + (2 * j + 1) * R + m)));
+      _mm512_storeu_si512(pairs + j * R + m, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+}
+
+// P @ V with vdpbf16ps, two value rows per instruction: probabilities rounded to bf16 (as flash
+// attention rounds them before P @ V), products exact, sums fp32. Row i's probabilities of
+// keys 2j and 2j + 1 are the bf16 pair pairs[i * pair_row_stride + j * pair_key_stride].
+// unpacklo/hi_epi16 of value rows r and r + 1 pair the elements {0-3, 8-11, 16-19, 24-27}
+// and {4-7, 12-15, 20-23, 28-31} of each 32; the accumulator keeps that order until
+// natural_order() at the end of the task. head_dim a multiple of 32; acc and alpha point at
+// the first of the kRows rows.
+template <int kRows>
+void accumulate_pairs_bf16(const uint32_t* pairs, int64_t pair_row_stride, int64_t pair_key_stride,
+                           const float* alpha, const bf16_t* const* values, int n, int64_t head_dim, float* acc) {
   for (int64_t d = 0; d < head_dim; d += 32) {
     __m512 lo[kRows], hi[kRows];
     for (int i = 0; i < kRows; ++i) {
-      const __m512 scale = _mm512_set1_ps(alpha[m0 + i]);
-      lo[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (m0 + i) * head_dim + d), scale);
-      hi[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (m0 + i) * head_dim + d + 16), scale);
+      const __m512 scale = _mm512_set1_ps(alpha[i]);
+      lo[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * head_dim + d), scale);
+      hi[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * head_dim + d + 16), scale);
     }
     for (int r = 0; r < n; r += 2) {  // values[n] is a row of zeros when n is odd
       const __m512i a = _mm512_loadu_si512(values[r] + d), b = _mm512_loadu_si512(values[r + 1] + d);
       const __m512bh pair_lo = (__m512bh)_mm512_unpacklo_epi16(a, b), pair_hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
       for (int i = 0; i < kRows; ++i) {
-        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[i][r / 2]));
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(
+            static_cast<int>(pairs[i * pair_row_stride + (r / 2) * pair_key_stride]));
         lo[i] = _mm512_dpbf16_ps(lo[i], p, pair_lo);
         hi[i] = _mm512_dpbf16_ps(hi[i], p, pair_hi);
       }
     }
     for (int i = 0; i < kRows; ++i) {
-      _mm512_storeu_ps(acc + (m0 + i) * head_dim + d, lo[i]);
-      _mm512_storeu_ps(acc + (m0 + i) * head_dim + d + 16, hi[i]);
+      _mm512_storeu_ps(acc + i * head_dim + d, lo[i]);
+      _mm512_storeu_ps(acc + i * head_dim + d + 16, hi[i]);
     }
+  }
+}
+
+// Row-lane scores (attention_tile.h: row_scores) on bf16 pairs: keys k0 and k1 against
+// kVecs vectors of 16 rows from row m0, qt[j * R + m] the bf16 pair (q_m[2j], q_m[2j + 1]).
+template <int kVecs>
+void row_scores_bf16(const uint32_t* qt, int64_t R, int64_t m0, const bf16_t* k0, const bf16_t* k1,
+                     int64_t head_dim, float scale, float* s0, float* s1) {
+  __m512 a0[kVecs], a1[kVecs];
+  for (int v = 0; v < kVecs; ++v) a0[v] = a1[v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < head_dim / 2; ++j) {
+    const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(bf16_pair(k0, j)));
+    const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(bf16_pair(k1, j)));
+    for (int v = 0; v < kVecs; ++v) {
+      const __m512bh q = (__m512bh)_mm512_loadu_si512(qt + j * R + m0 + 16 * v);
+      a0[v] = _mm512_dpbf16_ps(a0[v], q, x0);
+      a1[v] = _mm512_dpbf16_ps(a1[v], q, x1);
+    }
+  }
+  for (int v = 0; v < kVecs; ++v) {
+    _mm512_storeu_ps(s0 + m0 + 16 * v, _mm512_mul_ps(a0[v], _mm512_set1_ps(scale)));
+    _mm512_storeu_ps(s1 + m0 + 16 * v, _mm512_mul_ps(a1[v], _mm512_set1_ps(scale)));
   }
 }
 

@@ -1,9 +1,10 @@
 """The C++ CPU backend (``kernels.cpu_attention``) against ``kernels.reference``: every
 instruction-set path this CPU runs, forced one at a time, over shuffled block tables padded
 with -1 and NaN-poisoned caches: decode tokens (with and without the context split across
-threads, few and many sequences), whole prompts, chunks after cached tokens and mixed batches; GQA groups 1, 3, 7;
-lengths 15, 16, 17 around a block boundary; head_dim 64, 128 and 80; fp32, bf16 and fp16. And
-the C++ store of new K/V against the reference's."""
+threads, few and many sequences), whole prompts (prefill tasks of 15 to 64 query rows),
+chunks after cached tokens and mixed batches; GQA groups 1, 3, 7; lengths 15, 16, 17 around
+a block boundary; head_dim 64, 128 and 80; fp32, bf16 and fp16. And the C++ store of new K/V
+against the reference's."""
 import functools
 import re
 import shutil
@@ -24,6 +25,9 @@ SHAPES = {
     "decode-g3-d64-b16": (DECODE, 9, 3, 64, 16),
     "decode-g7-d128-b32": (DECODE, 7, 1, 128, 32),
     "prompts-g3-d128-b32": (PROMPTS, 6, 2, 128, 32),
+    # prefill tasks of 15, 16, 17, 36 and 64 query rows: around the 16-row vectors of the
+    # native bf16 path's row-lane scores (attention_tile.h), with and without padding
+    "prompts-g1-d64-b16": (PROMPTS, 2, 2, 64, 16),
     "chunks-g7-d64-b16": (CHUNKS, 7, 1, 64, 16),
     "mixed-g3-d64-b32": (MIXED, 9, 3, 64, 32),
     "mixed-g1-d80-b16": (MIXED, 2, 2, 80, 16),
