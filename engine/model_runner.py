@@ -113,7 +113,12 @@ class ModelRunner:
             logger.info("CPU attention: the %s kernels", cpu_attention.selected_isa(self.head_dim))
         self.vocab_size = hf.vocab_size
         self.model = self._build_model(loaded)
-        self.sampler = Sampler(self.device, config.seed)
+        argmax_rows = None
+        if self.backend == "cpu":
+            from kernels import cpu_attention
+
+            argmax_rows = cpu_attention.argmax_rows
+        self.sampler = Sampler(self.device, config.seed, argmax_rows)
         self._grammar_bitmask = None  # GrammarBitmask, from the first constrained step on
         self.num_blocks = self._num_kv_blocks(cuda_start)
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)

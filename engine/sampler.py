@@ -6,7 +6,7 @@ argmax or temperature, top-k/top-p/min-p truncation and a draw.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -33,11 +33,16 @@ class Sampler:
     Args:
         device: where logits live.
         seed: seeds the shared generator of unseeded sampled rows.
+        argmax_rows: ``logits [n, vocab] fp32 -> int64 [n]``, the same answer as
+            ``torch.argmax(logits, dim=-1)``; the CPU backend passes its C++ one
+            (``kernels.cpu_attention.argmax_rows``), ~0.85 ms a 64-row step faster.
     """
 
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int,
+                 argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.device = torch.device(device)
         self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.argmax_rows = argmax_rows or (lambda logits: logits.argmax(dim=-1))
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                  grammar_bitmask: StepBitmask | None = None) -> list[SampledToken]:
@@ -59,7 +64,7 @@ class Sampler:
         apply_penalties(logits, rows)
         logprobs = self._logprobs(logits, params)
         greedy = torch.tensor([p.is_greedy for p in params], device=self.device)
-        tokens = logits.argmax(dim=-1)
+        tokens = self.argmax_rows(logits)
         if not bool(greedy.all()):
             tokens = torch.where(greedy, tokens, self._draw(logits, rows))
         token_ids = tokens.tolist()
@@ -72,7 +77,7 @@ class Sampler:
         """One draw per row (greedy rows' draws are discarded by the caller)."""
         probs = sampling_probs(logits, [r.params for r in rows])
         # Exponential race (the Gumbel-max trick): argmax(p / E), E ~ Exp(1), draws from p.
-        return (probs / self._exponential_noise(probs, rows)).argmax(dim=-1)
+        return self.argmax_rows(probs / self._exponential_noise(probs, rows))
 
     def _exponential_noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         noise = torch.empty_like(probs)

@@ -7,6 +7,7 @@ import torch
 from engine.sampler import Sampler, apply_logit_bias, apply_min_tokens, apply_penalties, sampling_probs, truncate
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SamplingRow
+from kernels import cpu_attention
 
 INF = float("-inf")
 CPU = torch.device("cpu")
@@ -66,6 +67,20 @@ def test_top_k_one_and_tiny_top_p_equal_greedy():
     greedy = logits.argmax(-1).tolist()
     for params in (SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(min_p=1.0)):
         assert [t.token_id for t in sampler(logits.clone(), [row(params)] * 16)] == greedy
+
+
+@pytest.mark.skipif(not cpu_attention.is_available(), reason="the C++ CPU kernels must build")
+def test_the_cpu_backends_argmax_draws_what_torchs_does():
+    """The engine's CPU sampler (kernels.cpu_attention.argmax_rows) against torch.argmax:
+    greedy rows, seeded draws (the Gumbel-max argmax), and a batch mixing both."""
+    logits = torch.randn(8, 3_000, generator=torch.Generator().manual_seed(4)) * 4
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=11),
+              SamplingParams(temperature=0.7, top_k=50, seed=12), SamplingParams(temperature=0.0)] * 2
+    rows = [row(p, seq_index=i) for i, p in enumerate(params)]
+    ours = Sampler(CPU, seed=0, argmax_rows=cpu_attention.argmax_rows)(logits.clone(), rows)
+    theirs = Sampler(CPU, seed=0)(logits.clone(), rows)
+    assert [t.token_id for t in ours] == [t.token_id for t in theirs]
+    assert [t.token_id for t in ours][0] == int(logits[0].argmax())
 
 
 def test_top_k_beyond_the_vocabulary_is_off():

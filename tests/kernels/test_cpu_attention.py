@@ -217,3 +217,34 @@ def test_store_kv_refuses_a_slot_outside_the_cache_and_writes_nothing():
         cpu_attention.store_kv(torch.ones(3, 2, 64), torch.ones(3, 2, 64), k_cache, v_cache, torch.tensor([0, 1, 2]))
     with pytest.raises(RuntimeError, match="must share a dtype"):
         cpu_attention.store_kv(key.bfloat16(), key.bfloat16(), k_cache, v_cache, torch.tensor([0, 1, 2]))
+
+
+def test_argmax_rows_is_torch_argmax():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(70, 49_152, generator=generator)
+    logits[1, 700:] = 0.0  # ties: the first index, as torch's
+    logits[1, :700] = -1.0
+    logits[2, 31_000] = logits[2, 40_000] = 50.0  # a tie in two 256-element chunks
+    logits[3] = float("-inf")  # nothing above -inf: index 0
+    logits[4, 9] = logits[4, 5_000] = float("nan")  # the first NaN, as torch's
+    logits[5, 49_151] = 99.0  # the last element, past the last full chunk
+    logits[6, 3] = float("inf")
+    logits[7] = -0.0
+    logits[7, 10] = 0.0  # -0.0 == 0.0: the first
+    expected = logits.argmax(dim=-1)
+    assert expected[:8].tolist() == [int(logits[0].argmax()), 700, 31_000, 0, 9, 49_151, 3, 0]
+    assert torch.equal(cpu_attention.argmax_rows(logits), expected)
+    # rows of a larger tensor (a row stride), a single column, a vocabulary shorter than a chunk
+    wide = torch.randn(9, 300, generator=generator)
+    assert torch.equal(cpu_attention.argmax_rows(wide[:, :257]), wide[:, :257].argmax(-1))
+    assert cpu_attention.argmax_rows(torch.ones(4, 1)).tolist() == [0, 0, 0, 0]
+    assert cpu_attention.argmax_rows(torch.empty(0, 5)).shape == (0,)
+
+
+def test_argmax_rows_refuses_what_it_cannot_read():
+    with pytest.raises(RuntimeError, match="2-D fp32 CPU tensor; got 2-D BFloat16"):
+        cpu_attention.argmax_rows(torch.zeros(2, 5, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="2-D fp32 CPU tensor; got 1-D Float"):
+        cpu_attention.argmax_rows(torch.zeros(5))
+    with pytest.raises(RuntimeError, match="contiguous, non-empty last dimension"):
+        cpu_attention.argmax_rows(torch.zeros(5, 4).t())
