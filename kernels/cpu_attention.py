@@ -136,4 +136,3 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
             last dimension.
     """
     return load().argmax_rows(logits)
-

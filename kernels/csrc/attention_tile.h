@@ -205,7 +205,7 @@ void accumulate_tile(const TileProbs& probs, const TaskBuffers& b, int64_t rows,
 // tile (tile_scores needs one), and the online softmax runs lane-wise with no horizontal max
 // or sum. Scores sit key-major, st[r * R + m], R the rows rounded up to whole vectors (padded
 // rows have zero queries and see no key); P @ V is accumulate_values, as for decode. On an AMD
-// EPYC (avx512_bf16), 2 threads, SmolLM2's heads: 1.45-1.6x faster prefill attention. The
+// EPYC (avx512_bf16), 2 threads, SmolLM2's heads: 1.33-1.54x faster prefill attention. The
 // same layout in fp32 (16 multiply-adds per vector instead of 32) was 0.8-0.9x as fast as
 // the add trees, so fp32 and the converting paths keep tile_scores.
 
