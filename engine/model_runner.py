@@ -107,17 +107,14 @@ class ModelRunner:
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = hf.num_key_value_heads
         self.head_dim = head_dim_of(hf)
+        argmax_rows = None  # the sampler's: torch.argmax, or the CPU backend's C++ one
         if self.backend == "cpu":  # which kernels run; a $MINI_INFER_CPU_ISA this CPU lacks fails here
             from kernels import cpu_attention
 
             logger.info("CPU attention: the %s kernels", cpu_attention.selected_isa(self.head_dim))
+            argmax_rows = cpu_attention.argmax_rows
         self.vocab_size = hf.vocab_size
         self.model = self._build_model(loaded)
-        argmax_rows = None
-        if self.backend == "cpu":
-            from kernels import cpu_attention
-
-            argmax_rows = cpu_attention.argmax_rows
         self.sampler = Sampler(self.device, config.seed, argmax_rows)
         self._grammar_bitmask = None  # GrammarBitmask, from the first constrained step on
         self.num_blocks = self._num_kv_blocks(cuda_start)

@@ -196,6 +196,13 @@ void accumulate_tile(const TileProbs& probs, const TaskBuffers& b, int64_t rows,
   }
 }
 
+// Query row m of the task (token-major, see AttentionTask) in the query tensor.
+template <class T>
+const T* query_row(const AttentionProblem& p, const AttentionTask& t, int64_t m) {
+  return static_cast<const T*>(p.query) + (t.token_begin + m / p.group) * p.query_token_stride +
+         (t.kv_head * p.group + m % p.group) * p.query_head_stride;
+}
+
 #ifdef MINI_INFER_NATIVE_BF16
 // ---------------------------------------------------------------- prefill: query rows as lanes
 //
@@ -212,15 +219,13 @@ void accumulate_tile(const TileProbs& probs, const TaskBuffers& b, int64_t rows,
 // The task's query rows as bf16 pairs, transposed and zero-padded to R rows:
 // qt[j * R + m] = (q_m[2j], q_m[2j + 1]).
 inline void load_query_pairs(const AttentionProblem& p, const AttentionTask& t, int64_t R, uint32_t* qt) {
-  const bf16_t* query = static_cast<const bf16_t*>(p.query);
   const int64_t rows = t.num_tokens * p.group;
   for (int64_t m = 0; m < R; ++m) {
     if (m >= rows) {
       for (int64_t j = 0; j < p.head_dim / 2; ++j) qt[j * R + m] = 0u;
       continue;
     }
-    const bf16_t* src = query + (t.token_begin + m / p.group) * p.query_token_stride +
-                        (t.kv_head * p.group + m % p.group) * p.query_head_stride;
+    const bf16_t* src = query_row<bf16_t>(p, t, m);
     for (int64_t j = 0; j < p.head_dim / 2; ++j) qt[j * R + m] = bf16_pair(src, j);
   }
 }
@@ -280,16 +285,14 @@ inline void row_softmax_update(float* st, int64_t R, const float* row_pos, int64
 // The task's query rows (token-major, see AttentionTask) as `Row`s.
 template <class T, class Row>
 void load_queries(const AttentionProblem& p, const AttentionTask& t, Row* rows) {
-  const T* query = static_cast<const T*>(p.query);
-  for (int64_t j = 0; j < t.num_tokens; ++j)
-    for (int64_t g = 0; g < p.group; ++g) {
-      const T* src = query + (t.token_begin + j) * p.query_token_stride + (t.kv_head * p.group + g) * p.query_head_stride;
-      Row* dst = rows + (j * p.group + g) * p.head_dim;
-      if constexpr (std::is_same_v<Row, T>)
-        std::memcpy(dst, src, p.head_dim * sizeof(T));
-      else
-        for (int64_t d = 0; d < p.head_dim; d += kLanes) vstore(dst + d, vload(src + d));
-    }
+  for (int64_t m = 0; m < t.num_tokens * p.group; ++m) {
+    const T* src = query_row<T>(p, t, m);
+    Row* dst = rows + m * p.head_dim;
+    if constexpr (std::is_same_v<Row, T>)
+      std::memcpy(dst, src, p.head_dim * sizeof(T));
+    else
+      for (int64_t d = 0; d < p.head_dim; d += kLanes) vstore(dst + d, vload(src + d));
+  }
 }
 
 template <class T, int64_t kHeadDim>
