@@ -43,8 +43,11 @@ def test_a_step_queues_without_waiting_for_the_gpu(backend):
 def test_auto_dtype_and_no_compile_after_start_up():
     """dtype auto is bf16 from sm_80 on (fp16 before); the start-up warm-up compiled every
     Triton variant the requests need."""
+    # 256 blocks (the six requests need at most 71): sized from 10% of an H200's memory, this
+    # tiny model's cache had ~3.5M blocks, which the suite's per-step check_invariants
+    # (MINI_INFER_DEBUG_CHECKS) walks: the test took 173 s, past gpu_check.sh's 150 s for tests.
     llm = LLM(model="dummy:tiny-qwen2", max_num_batched_tokens=64, max_num_seqs=8,
-              gpu_memory_utilization=0.1)
+              num_gpu_blocks=256)
     runner = llm.llm_engine.model_runner
     major, _ = torch.cuda.get_device_capability()
     assert runner.dtype == (torch.bfloat16 if major >= 8 else torch.float16)
