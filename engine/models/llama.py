@@ -241,8 +241,9 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """One decoder layer's modules. ``LlamaForCausalLM.forward`` runs it as
-    ``layer_before_attention``, ``Attention.attend``, ``layer_after_attention`` (the two glue
-    functions compiled or not)."""
+    ``layer_before_attention``, ``Attention.attend``, ``layer_after_attention`` (glue compiled
+    or not; between two layers' attention the after and before glue are one function,
+    ``layer_between_attentions``)."""
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
@@ -266,6 +267,16 @@ def layer_after_attention(layer: DecoderLayer, x: torch.Tensor, o: torch.Tensor)
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
+def layer_between_attentions(layer: DecoderLayer, next_layer: DecoderLayer, x: torch.Tensor, o: torch.Tensor,
+                             cos: torch.Tensor, sin: torch.Tensor):
+    """``layer_after_attention`` of ``layer`` then ``layer_before_attention`` of the next one,
+    as one function: one compiled call between two layers' attention instead of two (see
+    ``LlamaForCausalLM.compile_glue``). Returns ``(x, q, k, v)``: the next layer's input and
+    its projections."""
+    x = layer_after_attention(layer, x, o)
+    return (x, *layer_before_attention(next_layer, x, cos, sin))
+
+
 class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM over the project's paged attention.
 
@@ -286,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
         self.upcast_matmul = False
         self.lm_head_fp32: torch.Tensor | None = None
         self.lm_head_packed: torch.Tensor | None = None  # see prepack_weights
-        self.compiled_glue = None  # (before, after) attention: see compile_glue
+        self.compiled_glue = None  # (before, between, after) attention: see compile_glue
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -307,22 +318,34 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        before, after = self.compiled_glue or (layer_before_attention, layer_after_attention)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            q, k, v = before(layer, x, cos, sin)
-            x = after(layer, x, layer.self_attn.attend(q, k, v, kv_cache, meta))
+        before, between, after = self.compiled_glue or (layer_before_attention, layer_between_attentions,
+                                                        layer_after_attention)
+        layers = self.layers
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"kv_caches has {len(kv_caches)} layers; the model has {len(layers)}")
+        q, k, v = before(layers[0], x, cos, sin)
+        for i, layer in enumerate(layers[:-1]):
+            o = layer.self_attn.attend(q, k, v, kv_caches[i], meta)
+            x, q, k, v = between(layer, layers[i + 1], x, o, cos, sin)
+        x = after(layers[-1], x, layers[-1].self_attn.attend(q, k, v, kv_caches[-1], meta))
         return self.norm(x)
 
     def compile_glue(self) -> None:
-        """Run each layer's glue (``layer_before_attention``, ``layer_after_attention``) through
-        ``torch.compile`` (Inductor): RMSNorm, RoPE, SiLU x mul and the residual adds become a
-        few fused kernels instead of ~40 small ops a layer, each a parallel region that wakes
-        the intra-op threads. One compiled graph of each serves every layer (the layer's
-        parameters are its inputs) and every token count (``dynamic=True``; torch specialises
-        a one-token step, which is its second graph). The attention kernels stay outside.
-        Compiling happens at the first forward of each graph (``ModelRunner`` does it at
-        start-up); Inductor caches the result on disk for later processes."""
+        """Run the layers' glue through ``torch.compile`` (Inductor): RMSNorm, RoPE, SiLU x mul
+        and the residual adds become a few fused kernels instead of ~40 small ops a layer, each
+        a parallel region that wakes the intra-op threads. The glue between two layers'
+        attention is one function (``layer_between_attentions``), so a step makes one compiled
+        call per layer (31 for 30 layers: the first layer's ``layer_before_attention`` and the
+        last one's ``layer_after_attention`` too) rather than two: each call costs Dynamo's
+        guards and wrappers, ~15-20 us (w1_mixed 1.04x faster, bf16 on an AMD EPYC with
+        AVX512-BF16, docs/PERFORMANCE.md; 1 s more to compile cold). One compiled graph of each
+        function serves every layer (the layers' parameters are its inputs) and every token
+        count (``dynamic=True``; torch specialises a one-token step, which is its second
+        graph). The attention kernels stay outside. Compiling happens at the first forward of
+        each graph (``ModelRunner`` does it at start-up); Inductor caches the result on disk
+        for later processes."""
         self.compiled_glue = (torch.compile(layer_before_attention, dynamic=True),
+                              torch.compile(layer_between_attentions, dynamic=True),
                               torch.compile(layer_after_attention, dynamic=True))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
