@@ -331,19 +331,20 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compile_glue(self) -> None:
-        """Run the layers' glue through ``torch.compile`` (Inductor): RMSNorm, RoPE, SiLU x mul
-        and the residual adds become a few fused kernels instead of ~40 small ops a layer, each
-        a parallel region that wakes the intra-op threads. The glue between two layers'
-        attention is one function (``layer_between_attentions``), so a step makes one compiled
-        call per layer (31 for 30 layers: the first layer's ``layer_before_attention`` and the
-        last one's ``layer_after_attention`` too) rather than two: each call costs Dynamo's
-        guards and wrappers, ~15-20 us (w1_mixed 1.04x faster, bf16 on an AMD EPYC with
-        AVX512-BF16, docs/PERFORMANCE.md; 1 s more to compile cold). One compiled graph of each
+        """Run the layers' glue through ``torch.compile`` (Inductor): RMSNorm, RoPE, SiLU x
+        mul and the residual adds become a few fused kernels instead of ~40 small ops a
+        layer, each a parallel region that wakes the intra-op threads. The glue between two
+        layers' attention is one function (``layer_between_attentions``), so a step makes
+        one compiled call per layer (31 for 30 layers: the first layer's
+        ``layer_before_attention`` and the last one's ``layer_after_attention`` too) rather
+        than two: each call costs Dynamo's dispatch and the graph's wrappers, ~17 us (0.5 ms
+        a step at one sequence; w1_mixed 1.04x faster, bf16 on an AMD EPYC with AVX512-BF16,
+        docs/PERFORMANCE.md; a cold compile takes 1 s more). One compiled graph of each
         function serves every layer (the layers' parameters are its inputs) and every token
         count (``dynamic=True``; torch specialises a one-token step, which is its second
-        graph). The attention kernels stay outside. Compiling happens at the first forward of
-        each graph (``ModelRunner`` does it at start-up); Inductor caches the result on disk
-        for later processes."""
+        graph). The attention kernels stay outside. Compiling happens at the first forward
+        of each graph (``ModelRunner`` does it at start-up); Inductor caches the result on
+        disk for later processes."""
         self.compiled_glue = (torch.compile(layer_before_attention, dynamic=True),
                               torch.compile(layer_between_attentions, dynamic=True),
                               torch.compile(layer_after_attention, dynamic=True))
