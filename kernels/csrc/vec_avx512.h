@@ -163,7 +163,7 @@ void row_scores_bf16(const uint32_t* qt, int64_t R, int64_t m0, const bf16_t* k0
   }
 }
 
-// accumulate_rows_bf16's element order back to the natural one, over `rows` rows of acc.
+// accumulate_pairs_bf16's element order back to the natural one, over `rows` rows of acc.
 inline void natural_order(float* acc, int64_t rows, int64_t head_dim) {
   // Element e < 16 of the 32 comes from lo lane (e / 8) * 4 + e % 4 if e % 8 < 4, else from hi
   // (index 16 +) lane (e / 8) * 4 + e % 4; likewise for e >= 16 with lanes 8-15.
