@@ -12,10 +12,11 @@ run by run so that a drift in the machine's speed hits all of them alike:
 
 Variants: ``engine`` (the engine's defaults: ``engine.threads``, 1,000 spins), ``one_thread``
 (``OMP_NUM_THREADS=1``), ``passive`` (``OMP_WAIT_POLICY=PASSIVE``: no spinning, the
-default before), ``spin1k`` (``GOMP_SPINCOUNT=1000``, the default now, set explicitly) and
-``spin`` (libgomp's default wait when no policy is set, 300,000 spins before sleeping:
-``GOMP_SPINCOUNT=300000``; torch's behaviour before ``engine.threads``). The result is each
-variant's busy / quiet throughput ratio (medians over ``--repeats``).
+default before), ``spin1k`` (``GOMP_SPINCOUNT=1000``, the default now, set explicitly),
+``spin10k`` and ``spin30k`` (10,000 and 30,000 spins) and ``spin`` (libgomp's default wait
+when no policy is set, 300,000 spins before sleeping: ``GOMP_SPINCOUNT=300000``; torch's
+behaviour before ``engine.threads``). The result is each variant's busy / quiet throughput
+ratio (medians over ``--repeats``).
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from pathlib import Path
 from common import ROOT, machine_info, write_result
 
 VARIANTS = {"engine": {}, "spin": {"GOMP_SPINCOUNT": "300000"}, "one_thread": {"OMP_NUM_THREADS": "1"},
-            "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin1k": {"GOMP_SPINCOUNT": "1000"}}
+            "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin1k": {"GOMP_SPINCOUNT": "1000"},
+            "spin10k": {"GOMP_SPINCOUNT": "10000"}, "spin30k": {"GOMP_SPINCOUNT": "30000"}}
 _BUSY_LOOP = "import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
 
 
