@@ -18,7 +18,7 @@ from app.engine_server import EngineServer
 from app.errors import RETRY_AFTER_S
 from app.ingress import OpenAIIngress
 from app.router import PrefixAwareRouter
-from engine.threads import wait_policy_env
+from engine.threads import huge_pages_env, wait_policy_env
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -73,10 +73,11 @@ GRPC_MAX_MESSAGE_BYTES = (1 << 31) - 1
 def engine_actor_options(config: AppConfig) -> dict:
     """Ray options of one engine replica: one GPU (``engine_wants_gpu``), else
     ``engine_num_cpus`` CPUs, whose count its torch threads follow; in its environment, the
-    OpenMP wait settings before torch loads (``engine.threads``) and the largest request its
-    gRPC server takes (``GRPC_MAX_MESSAGE_BYTES``)."""
+    OpenMP wait settings and the huge-pages setting before torch loads (``engine.threads``) and
+    the largest request its gRPC server takes (``GRPC_MAX_MESSAGE_BYTES``)."""
     resources = {"num_gpus": 1} if engine_wants_gpu(config.device) else {"num_cpus": config.engine_num_cpus}
-    env_vars = {**wait_policy_env(), "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(GRPC_MAX_MESSAGE_BYTES)}
+    env_vars = {**wait_policy_env(), **huge_pages_env(),
+                "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(GRPC_MAX_MESSAGE_BYTES)}
     return {**resources, "runtime_env": {"env_vars": env_vars}}
 
 

@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
 sys.path.insert(0, str(ROOT))  # `python bench/x.py` imports the project's packages
 
-from engine.threads import set_wait_policy_env  # noqa: E402
+from engine.threads import set_huge_pages_env, set_wait_policy_env  # noqa: E402
 
 set_wait_policy_env()  # before torch loads: the engine's OpenMP wait policy (engine.threads)
+set_huge_pages_env()  # and its huge pages for large CPU buffers
 
 import torch  # noqa: E402
 

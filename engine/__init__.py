@@ -9,10 +9,12 @@ Names are imported lazily so that the torch-free modules (``engine.block_manager
 """
 import importlib
 
-from engine.threads import set_wait_policy_env
+from engine.threads import set_huge_pages_env, set_wait_policy_env
 
-# Before anything here imports torch: its OpenMP threads sleep when idle (engine.threads).
+# Before anything here imports torch: its OpenMP threads sleep when idle, and its large CPU
+# buffers sit on huge pages (engine.threads).
 set_wait_policy_env()
+set_huge_pages_env()
 
 _EXPORTS = {
     "LLM": "engine.llm",

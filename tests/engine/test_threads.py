@@ -1,4 +1,4 @@
-"""engine.threads: intra-op threads from the CPUs given, OpenMP's passive wait policy."""
+"""engine.threads: intra-op threads from the CPUs given, OpenMP's wait policy, huge pages."""
 from __future__ import annotations
 
 import os
@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine import threads
@@ -47,6 +48,43 @@ def test_the_wait_is_a_short_spin_unless_the_user_chose_one(monkeypatch):
     threads.set_wait_policy_env()
     assert os.environ["GOMP_SPINCOUNT"] == "50" and "OMP_WAIT_POLICY" not in os.environ
     assert threads.wait_policy_env() == {"GOMP_SPINCOUNT": "50"}
+
+
+def test_huge_pages_are_on_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    assert threads.huge_pages_env() == {"THP_MEM_ALLOC_ENABLE": "1"}
+    assert threads.set_huge_pages_env() is False  # torch is imported here: too late for it
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    threads.set_huge_pages_env()
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
+    assert threads.huge_pages_env() == {"THP_MEM_ALLOC_ENABLE": "0"}
+
+
+def _thp_mode() -> str | None:
+    try:  # e.g. "always [madvise] never": the bracketed one is in force
+        return Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+@pytest.mark.parametrize("setting,huge", [(None, True), ("0", False)])
+def test_importing_engine_puts_large_cpu_buffers_on_huge_pages(setting, huge):
+    # With THP_MEM_ALLOC_ENABLE=1 as it loads, torch's allocator page-aligns a buffer of >= 2 MiB
+    # and advises huge pages for it; otherwise it aligns to 64 bytes past malloc's header. In the
+    # kernel's "madvise" mode only advised memory gets huge pages (AnonHugePages).
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if setting is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = setting
+    code = ("import engine, torch; x = torch.ones(64 << 20, dtype=torch.uint8); "
+            "print(x.data_ptr() % 4096 == 0); "
+            "print(next(int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHuge')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    page_aligned, huge_kib = out.stdout.split()
+    assert page_aligned == str(huge)
+    if _thp_mode() == "madvise":
+        assert (int(huge_kib) >= 32 * 1024) is huge  # most of the 64 MiB
 
 
 def test_importing_engine_sets_the_policy_before_torch_loads():
