@@ -258,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "cpu":
         sys.path.insert(0, str(REPO))  # run as a script: make `kernels` importable
+        from engine.threads import set_huge_pages_env, set_wait_policy_env
+
+        set_wait_policy_env()  # the engine's OpenMP wait and huge pages, before torch loads
+        set_huge_pages_env()
         import kernel_bench_cpu
 
         return kernel_bench_cpu.main(args)

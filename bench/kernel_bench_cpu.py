@@ -157,6 +157,7 @@ def run_cpu(shape_name: str = "smollm2-135m", dtypes=DTYPES, batches=BATCHES, co
               "isa": cpu_attention.selected_isa(shape.head_dim, isa),
               "supported_isas": cpu_attention.supported_isas(),
               "load_average_before": os.getloadavg(),  # other processes on a shared machine
+              "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",  # engine.threads
               "decode": {}, "prefill": {}}
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
