@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,16 @@ def _ray_assigned_cpus() -> float | None:
     return ray.get_runtime_context().get_assigned_resources().get("CPU")
 
 
+def kernel_thp_mode() -> str | None:
+    """The kernel's transparent-huge-pages mode (``always``, ``madvise`` or ``never``: the
+    bracketed word of /sys/kernel/mm/transparent_hugepage/enabled), or None where there is no
+    such file (not Linux, or a kernel without THP)."""
+    try:
+        return Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
 def configure_cpu_threads() -> int:
     """Set torch's intra-op threads to ``cpus_given()`` and return that number."""
     import torch
@@ -112,6 +123,6 @@ def configure_cpu_threads() -> int:
     torch.set_num_threads(num_threads)
     wait = ", ".join(f"{k}={v}" for k, v in os.environ.items() if k in USER_WAIT_SETTINGS) or "libgomp's default"
     huge_pages = "on" if os.environ.get(HUGE_PAGES_SETTING) == "1" else "off"
-    logger.info("CPU threads: %d intra-op (torch), OpenMP wait: %s, huge pages (%s): %s", num_threads, wait,
-                HUGE_PAGES_SETTING, huge_pages)
+    logger.info("CPU threads: %d intra-op (torch), OpenMP wait: %s, huge pages (%s): %s (kernel THP mode: %s)",
+                num_threads, wait, HUGE_PAGES_SETTING, huge_pages, kernel_thp_mode())
     return num_threads

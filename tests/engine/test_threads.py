@@ -61,13 +61,6 @@ def test_huge_pages_are_on_unless_the_user_chose(monkeypatch):
     assert threads.huge_pages_env() == {"THP_MEM_ALLOC_ENABLE": "0"}
 
 
-def _thp_mode() -> str | None:
-    try:  # e.g. "always [madvise] never": the bracketed one is in force
-        return Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return None
-
-
 @pytest.mark.parametrize("setting,huge", [(None, True), ("0", False)])
 def test_importing_engine_puts_large_cpu_buffers_on_huge_pages(setting, huge):
     # With THP_MEM_ALLOC_ENABLE=1 as it loads, torch's allocator page-aligns a buffer of >= 2 MiB
@@ -83,7 +76,7 @@ def test_importing_engine_puts_large_cpu_buffers_on_huge_pages(setting, huge):
                          text=True, timeout=120, check=True)
     page_aligned, huge_kib = out.stdout.split()
     assert page_aligned == str(huge)
-    if _thp_mode() == "madvise":
+    if threads.kernel_thp_mode() == "madvise":
         assert (int(huge_kib) >= 32 * 1024) is huge  # most of the 64 MiB
 
 
