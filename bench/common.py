@@ -23,11 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
 sys.path.insert(0, str(ROOT))  # `python bench/x.py` imports the project's packages
 
-from engine.threads import set_huge_pages_env, set_wait_policy_env  # noqa: E402
+# Before torch loads: importing the engine package sets its OpenMP wait policy and huge pages
+# (engine/__init__.py, engine.threads).
+import engine  # noqa: E402, F401
 
-set_wait_policy_env()  # before torch loads: the engine's OpenMP wait policy (engine.threads)
-set_huge_pages_env()  # and its huge pages for large CPU buffers
-
+# isort: split
 import torch  # noqa: E402
 
 from engine.device import cpu_has_bf16_matmul  # noqa: E402

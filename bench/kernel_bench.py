@@ -258,10 +258,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "cpu":
         sys.path.insert(0, str(REPO))  # run as a script: make `kernels` importable
-        from engine.threads import set_huge_pages_env, set_wait_policy_env
+        import engine  # noqa: F401 - before torch loads: the engine's OpenMP wait and huge pages
 
-        set_wait_policy_env()  # the engine's OpenMP wait and huge pages, before torch loads
-        set_huge_pages_env()
+        # isort: split
         import kernel_bench_cpu
 
         return kernel_bench_cpu.main(args)

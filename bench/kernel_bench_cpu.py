@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 from kernel_bench import QWEN2_5_7B, AttentionShape, decode_bytes, gbps, make_decode_inputs
 
+from engine.threads import huge_pages_requested
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"  # git-ignored; the same folder as bench/common.py's RESULTS
 SHAPES = {"smollm2-135m": AttentionShape(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16),
@@ -157,7 +159,7 @@ def run_cpu(shape_name: str = "smollm2-135m", dtypes=DTYPES, batches=BATCHES, co
               "isa": cpu_attention.selected_isa(shape.head_dim, isa),
               "supported_isas": cpu_attention.supported_isas(),
               "load_average_before": os.getloadavg(),  # other processes on a shared machine
-              "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",  # engine.threads
+              "huge_pages": huge_pages_requested(),
               "decode": {}, "prefill": {}}
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)

@@ -75,6 +75,11 @@ def set_huge_pages_env() -> bool:
     return "torch" not in sys.modules
 
 
+def huge_pages_requested() -> bool:
+    """Whether this process asks torch for huge pages (``THP_MEM_ALLOC_ENABLE`` is ``1``)."""
+    return os.environ.get(HUGE_PAGES_SETTING) == "1"
+
+
 def huge_pages_env() -> dict[str, str]:
     """The huge-pages setting for a process's environment: this process's
     ``THP_MEM_ALLOC_ENABLE`` where set, else ``{"THP_MEM_ALLOC_ENABLE": "1"}``."""
@@ -122,7 +127,7 @@ def configure_cpu_threads() -> int:
     num_threads = cpus_given()
     torch.set_num_threads(num_threads)
     wait = ", ".join(f"{k}={v}" for k, v in os.environ.items() if k in USER_WAIT_SETTINGS) or "libgomp's default"
-    huge_pages = "on" if os.environ.get(HUGE_PAGES_SETTING) == "1" else "off"
+    huge_pages = "on" if huge_pages_requested() else "off"
     logger.info("CPU threads: %d intra-op (torch), OpenMP wait: %s, huge pages (%s): %s (kernel THP mode: %s)",
                 num_threads, wait, HUGE_PAGES_SETTING, huge_pages, kernel_thp_mode())
     return num_threads
