@@ -57,7 +57,8 @@ def run(llm: LLM, requests: list[dict], constrained: bool) -> dict:
             "ms_per_step": 1000 * seconds / num_steps,
             # host time filling the bitmasks (xgrammar, C++ threads) and applying them, per step
             "mask_fill_ms_per_step": 1000 * clocks["mask_fill"].seconds / num_steps,
-            "mask_apply_ms_per_step": 1000 * clocks["mask_apply"].seconds / num_steps}
+            "mask_apply_ms_per_step": 1000 * clocks["mask_apply"].seconds / num_steps,
+            "num_masked_steps": clocks["mask_apply"].calls}  # steps whose sampler applied bitmasks
 
 
 class _Clock:

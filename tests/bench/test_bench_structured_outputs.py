@@ -25,8 +25,12 @@ def test_structured_outputs_benchmark_runs(tmp_path):
     assert set(runs) == {"unconstrained", "json"}
     for run in runs.values():
         assert run["num_output_tokens"] == 18 and run["num_steps"] >= 6
-    assert runs["unconstrained"]["mask_fill_ms_per_step"] < 0.5 * runs["json"]["mask_fill_ms_per_step"]
-    assert runs["json"]["mask_apply_ms_per_step"] > 0 and runs["unconstrained"]["mask_apply_ms_per_step"] == 0
+    # Counts, not times (a timed comparison can fail on a loaded machine): every sampling step
+    # of the constrained run applies bitmasks (6 tokens each: at least 6 such steps), none of
+    # the unconstrained run does.
+    assert runs["json"]["num_masked_steps"] >= 6 and runs["unconstrained"]["num_masked_steps"] == 0
+    assert runs["json"]["mask_fill_ms_per_step"] > 0 and runs["json"]["mask_apply_ms_per_step"] > 0
+    assert runs["unconstrained"]["mask_apply_ms_per_step"] == 0
     out_path = tmp_path / "masks.json"
     command = [sys.executable, "bench/structured_outputs.py", "--workload", str(workload), "--masks-only", "1", "3",
                "--out", str(out_path)]
