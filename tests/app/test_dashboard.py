@@ -76,6 +76,7 @@ def browser():
 
 
 def test_page_in_chromium_follows_a_long_request(api, browser, tokenizer):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
 
@@ -132,7 +133,14 @@ def test_page_in_chromium_follows_a_long_request(api, browser, tokenizer):
         # a click on the request's row shows its block table: the one /stats reported, read a
         # poll earlier or later (the request grows a block every 16 tokens), so one of the two
         # is the start of the other
-        browser.find_element(By.CSS_SELECTOR, f'tr[data-seq-id="{seq_id}"]').click()
+        def click_row():
+            try:
+                browser.find_element(By.CSS_SELECTOR, f'tr[data-seq-id="{seq_id}"]').click()
+                return True
+            except StaleElementReferenceException:  # a poll rebuilt the table before the click
+                return False
+
+        wait(click_row, 10, "a click on the request's row")
         detail = browser.find_element(By.CSS_SELECTOR, ".detail").text
         assert detail.startswith(f"{seq_id} (running): block table ["), detail
         shown = [int(b) for b in detail.split("[", 1)[1].split("]", 1)[0].split(", ")]
