@@ -13,6 +13,13 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_URL = "http://127.0.0.1:8000"
+# ``serve run`` through make run's wrapper, which starts it in a session of its own and passes
+# it one SIGINT: __exit__'s SIGINT to the process group then reaches the driver only, which
+# stops Serve and Ray in order. Sent to a bare ``serve run``'s group it also reached Ray's
+# processes, and the driver then hung in its shutdown until __exit__ gave up (30 s a module).
+SERVE_RUN = [str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "scripts" / "serve_run.py")]
+# The wrapper turns on Serve's gRPC proxy unless told otherwise: this keeps Serve's default.
+PLAIN_PROXY = {"RAY_SERVE_PROXY_USE_GRPC": "0"}
 
 
 class ServeProcess:

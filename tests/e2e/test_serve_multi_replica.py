@@ -9,16 +9,16 @@ import pytest
 import requests
 
 from tests.browser import COUNT_CELLS_JS, chromium, wait
-from tests.serve_process import ROOT, ServeProcess
+from tests.serve_process import PLAIN_PROXY, SERVE_RUN, ServeProcess
 
 MODEL = "smollm2-135m-instruct"
-SERVE = str(ROOT / ".venv" / "bin" / "serve")
 KEY = "test-key-123"
 
 
 @pytest.fixture(scope="module")
 def two_replicas():
-    with ServeProcess([SERVE, "run", "ray_configs/serve_multi_replica.yaml"], num_engine_replicas=2) as app:
+    with ServeProcess([*SERVE_RUN, "ray_configs/serve_multi_replica.yaml"], num_engine_replicas=2,
+                      env=PLAIN_PROXY) as app:
         yield app
 
 
