@@ -76,7 +76,7 @@ def test_prefix_router_raises_the_hit_rate_and_still_spreads_load(cluster):
     """32 conversations x 3 turns: with ``prefix`` a conversation's turns meet their cached
     prefix; with ``pow2`` a turn lands on the replica that holds it about half the time
     (a coin flip per turn: with 48 conversations pow2 measured 0.31-0.47 against prefix's
-    0.63; 32 take two thirds of the time)."""
+    0.63; with 32, 0.42 against 0.63, and the test took 135 s instead of 156)."""
     results = {}
     for router in ("prefix", "pow2"):
         # pow2 also calls its engine replicas over Ray's actor calls instead of gRPC
