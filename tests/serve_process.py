@@ -13,14 +13,6 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_URL = "http://127.0.0.1:8000"
-# ``serve run`` through make run's wrapper, which starts it in a session of its own and passes
-# it one SIGINT: __exit__'s SIGINT to the process group then reaches the driver only, which
-# stops Serve and Ray in order. Sent to a bare ``serve run``'s group it also reached Ray's
-# processes, and the driver then hung in its shutdown until __exit__ gave up (30 s a module).
-SERVE_RUN = [str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "scripts" / "serve_run.py")]
-# The wrapper turns on Serve's gRPC proxy unless told otherwise: this keeps Serve's default.
-PLAIN_PROXY = {"RAY_SERVE_PROXY_USE_GRPC": "0"}
-
 
 class ServeProcess:
     """``with ServeProcess(["make", "run"]) as app: requests.get(app.url + "/health")``.
@@ -43,6 +35,18 @@ class ServeProcess:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.process: subprocess.Popen | None = None
         self.log_path = ROOT / ".pytest_cache" / f"serve-{int(time.time())}.log"
+
+    @classmethod
+    def serve_run(cls, args: list[str], **kwargs) -> "ServeProcess":
+        """``serve run <args>`` through make run's wrapper (``scripts/serve_run.py``), which
+        starts it in a session of its own and passes it one SIGINT: __exit__'s SIGINT to the
+        process group then reaches the driver only, which stops Serve and Ray in order (sent
+        to a bare ``serve run``'s group it also reached Ray's processes, and the driver hung in
+        its shutdown until __exit__ gave up, 30 s). Serve's default proxy is kept (the wrapper
+        would turn on its gRPC proxy). ``kwargs`` as the constructor's."""
+        env = {"RAY_SERVE_PROXY_USE_GRPC": "0", **kwargs.pop("env", {})}
+        command = [str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "scripts" / "serve_run.py"), *args]
+        return cls(command, env=env, **kwargs)
 
     def __enter__(self) -> "ServeProcess":
         _wait_port_free(timeout=60)

@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from tests.browser import COUNT_CELLS_JS, chromium, wait
-from tests.serve_process import PLAIN_PROXY, SERVE_RUN, ServeProcess
+from tests.serve_process import ServeProcess
 
 MODEL = "smollm2-135m-instruct"
 KEY = "test-key-123"
@@ -17,8 +17,7 @@ KEY = "test-key-123"
 
 @pytest.fixture(scope="module")
 def two_replicas():
-    with ServeProcess([*SERVE_RUN, "ray_configs/serve_multi_replica.yaml"], num_engine_replicas=2,
-                      env=PLAIN_PROXY) as app:
+    with ServeProcess.serve_run(["ray_configs/serve_multi_replica.yaml"], num_engine_replicas=2) as app:
         yield app
 
 

@@ -11,7 +11,7 @@ import requests
 import yaml
 
 from app import build_app
-from tests.serve_process import PLAIN_PROXY, ROOT, SERVE_RUN, ServeProcess
+from tests.serve_process import ROOT, ServeProcess
 
 MODEL = "smollm2-135m-instruct"
 KEY = "test-key-123"
@@ -31,10 +31,10 @@ def test_serve_configs_are_valid_and_build(name):
 @pytest.fixture(scope="module")
 def restricted():
     # Capacity: 2 running + 2 waiting in the engine replica; the ingress admits no more.
-    command = [*SERVE_RUN, "app:build_app", "max_num_seqs=2", "max_waiting_requests=2",
-               "kv_cache_memory_gb=0.25", f"api_key={KEY}", "dtype=float32",
-               "request_body_timeout_s=2", f"max_request_body_bytes={BODY_LIMIT}"]
-    with ServeProcess(command, api_key=KEY, env=PLAIN_PROXY) as app:
+    args = ["app:build_app", "max_num_seqs=2", "max_waiting_requests=2",
+            "kv_cache_memory_gb=0.25", f"api_key={KEY}", "dtype=float32",
+            "request_body_timeout_s=2", f"max_request_body_bytes={BODY_LIMIT}"]
+    with ServeProcess.serve_run(args, api_key=KEY) as app:
         yield app
 
 
