@@ -9,6 +9,13 @@ def run(*args, cwd=None):
                           timeout=300, cwd=cwd)
 
 
+def run_eager(*args):
+    """``run`` with ``--enforce-eager``: for tests of the command line itself, which would
+    otherwise spend ~10 s of each run compiling the layers' glue (the first test here runs
+    the default, compiled)."""
+    return run(*args, "--enforce-eager")
+
+
 def test_generate_a_prompt_through_the_chat_template():
     out = run("generate", "--prompt", "What is the capital of France?", "--max-tokens", "16",
               "--dtype", "float32")
@@ -23,7 +30,7 @@ def test_generate_a_workload_file(tmp_path):
     path = tmp_path / "w.json"
     path.write_text(json.dumps(workload))
     summary_path = tmp_path / "summary.json"
-    out = run("generate", "--workload", str(path), "--json-out", str(summary_path))
+    out = run_eager("generate", "--workload", str(path), "--json-out", str(summary_path))
     assert out.returncode == 0, out.stderr
     assert "requests: 5  output tokens: 30" in out.stdout and "output tokens/s:" in out.stdout
     summary = json.loads(summary_path.read_text())
@@ -41,7 +48,7 @@ def test_a_shared_prefix_workload_with_prefix_caching_on_and_off(tmp_path):
     path.write_text(json.dumps(workload))
     summaries = {}
     for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
-        out = run("generate", "--workload", str(path), "--json-out", str(tmp_path / "s.json"), flag)
+        out = run_eager("generate", "--workload", str(path), "--json-out", str(tmp_path / "s.json"), flag)
         assert out.returncode == 0, out.stderr
         summaries[flag] = json.loads((tmp_path / "s.json").read_text())
     on, off = summaries["--enable-prefix-caching"], summaries["--no-enable-prefix-caching"]

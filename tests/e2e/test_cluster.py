@@ -20,7 +20,9 @@ WORDS = ("river stone cloud engine garden ticket silver forest lamp window harbo
 TIMEOUT_S = 60  # no client waits longer than this for an answer
 # Each engine replica's KV cache: room for the routing test's conversations (about 5,000
 # tokens a replica, 46 KB a token in fp32) and small enough for a shared 2-core, 24 GiB machine.
-SMALL_KV = {"kv_cache_memory_gb": 0.5}
+# Eager: these tests are about routing, scaling and failure, and each replica's glue compile
+# costs ~13 s on two shared cores (tests/engine/test_compiled_glue.py tests the compiled path).
+SMALL_KV = {"kv_cache_memory_gb": 0.5, "enforce_eager": True}
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +105,7 @@ def _engine_replicas() -> dict:
 
 
 def test_autoscaling_scales_out_under_a_burst_and_back_when_idle(cluster):
-    cluster.deploy(load_config("serve_autoscaling.yaml"), 1)
+    cluster.deploy(load_config("serve_autoscaling.yaml", args={"enforce_eager": True}), 1)
     assert _engine_replicas() == {"RUNNING": 1}
     body = {"model": MODEL, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Count to ten."}]}

@@ -68,7 +68,7 @@ def test_cli_serves_the_dashboard_while_a_workload_runs(tmp_path):
     path.write_text(json.dumps(workload))
     port = _free_port()
     process = subprocess.Popen([sys.executable, "-m", "engine", "generate", "--workload", str(path),
-                                "--dashboard-port", str(port), "--num-gpu-blocks", "64"],
+                                "--dashboard-port", str(port), "--num-gpu-blocks", "64", "--enforce-eager"],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url, running = None, []

@@ -17,7 +17,10 @@ KEY = "test-key-123"
 
 @pytest.fixture(scope="module")
 def two_replicas():
-    with ServeProcess.serve_run(["ray_configs/serve_multi_replica.yaml"], num_engine_replicas=2) as app:
+    # Eager (MINI_INFER_ENFORCE_EAGER): routing and recovery, not the compiled glue, which
+    # would cost each replica start (three here) ~13 s on two shared cores.
+    with ServeProcess.serve_run(["ray_configs/serve_multi_replica.yaml"], num_engine_replicas=2,
+                                env={"MINI_INFER_ENFORCE_EAGER": "1"}) as app:
         yield app
 
 
