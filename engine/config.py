@@ -45,7 +45,8 @@ class CacheConfig:
 
     block_size: int = setting(16, "Tokens per KV block.", BLOCK_SIZES)
     kv_cache_memory_gb: float = setting(
-        2.0, "CPU only: GiB given to the KV cache of all layers.")
+        2.0, "CPU only: GiB given to the KV cache of all layers; memory is committed as steps "
+        "write blocks, and a start refuses more than the machine's available memory.")
     gpu_memory_utilization: float = setting(
         0.9, "CUDA only: fraction of the device's memory the engine may use (weights, "
         "activations and KV cache), as vLLM's setting of the same name.")
