@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import math
 import mmap
+import sys
 import time
 from dataclasses import dataclass
 
@@ -169,7 +170,7 @@ class ModelRunner:
     def populate_kv_cache(self) -> bool:
         """Back the whole CPU KV cache with memory now (``populate``), contents kept: for
         benchmarks, so that a timed run does not pay the first touch of the blocks it writes
-        (0.3-1 ms a 2 MiB page on a quiet machine, up to ~10 ms on a cold VM). Returns whether
+        (0.6-1.1 ms a 2 MiB page on a quiet 2-core VM, up to ~10 ms on a cold one). Returns whether
         the kernel did it; True on CUDA, whose cache is allocated whole."""
         return self.device.type != "cpu" or populate(self.kv_cache)
 
@@ -418,9 +419,11 @@ def populate(tensor: torch.Tensor) -> bool:
     runs should measure steps rather than the first touch of memory.
 
     Returns:
-        False where the kernel lacks ``MADV_POPULATE_WRITE`` (before 5.14) or refuses it: the
-        pages are then backed as they are first written, as without this call.
+        False off Linux, or where the kernel lacks ``MADV_POPULATE_WRITE`` (before 5.14) or
+        refuses it: the pages are then backed as they are first written, as without this call.
     """
+    if sys.platform != "linux":
+        return False
     libc = ctypes.CDLL(None, use_errno=True)
     start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
     page = mmap.PAGESIZE
@@ -457,7 +460,8 @@ def lazily_zeroed_cpu(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     nbytes = math.prod(shape) * dtype.itemsize
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge_pages_requested() and hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE)
+        with contextlib.suppress(OSError):  # a kernel built without THP: 4 KiB pages, as before
+            mapping.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE_BYTES
     return raw[start:start + nbytes].view(dtype).view(shape)
