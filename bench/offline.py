@@ -168,13 +168,13 @@ def run_hf_continuous(hf, requests: list[dict], device: str) -> dict:
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     from engine.config import CacheConfig, SchedulerConfig
+    from engine.models import head_dim_of
 
     config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
                               max_new_tokens=max(r["max_tokens"] for r in requests))
     model_config, page_size = hf.config, 256  # ContinuousBatchingConfig's default page_size
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
     block_bytes = (model_config.num_hidden_layers * page_size * 2 * model_config.num_key_value_heads
-                   * head_dim * hf.dtype.itemsize)
+                   * head_dim_of(model_config) * hf.dtype.itemsize)
     batching = ContinuousBatchingConfig(num_blocks=int(CacheConfig().kv_cache_memory_gb * 2**30 // block_bytes),
                                         max_batch_tokens=SchedulerConfig().max_num_batched_tokens)
     hints = WorkloadHints(max_prompt_length=max(len(r["prompt_token_ids"]) for r in requests),
