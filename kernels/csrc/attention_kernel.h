@@ -36,13 +36,17 @@ struct AttentionProblem {
 
 // One unit of work: query tokens [token_begin, token_begin + num_tokens) of sequence `seq`,
 // which sit at positions first_pos, first_pos + 1, ... of it, with the `group` query heads of
-// KV head `kv_head`, against the keys at positions [key_begin, key_end). A query token sees
-// keys up to its own position (causal). Its `rows` = num_tokens * group query rows are
-// ordered token-major: row m is token m / group, query head kv_head * group + m % group.
+// each of the KV heads [kv_head, kv_head + num_heads), against the keys at positions
+// [key_begin, key_end). A query token sees keys up to its own position (causal). Its `rows` =
+// num_tokens * group * num_heads query rows are ordered token-major: with R = group *
+// num_heads rows a token, row m is token m / R, query head kv_head * group + m % R. Only a
+// decode task (num_tokens 1) takes more than one KV head: it reads each key position's rows
+// of all its heads together, contiguous in the cache.
 struct AttentionTask {
   int64_t seq, kv_head;
   int64_t token_begin, num_tokens, first_pos;
   int64_t key_begin, key_end;
+  int64_t num_heads = 1;
 };
 
 // A task's result and its working memory, owned by the calling thread. `rows` is rounded up

@@ -7,8 +7,8 @@
 // set this CPU runs (attention_kernels.cpp), cuts the batch into tasks (attention_kernel.h:
 // AttentionTask) and runs them on torch's intra-op threads:
 //   - a decode token: one task per KV head (its GQA group of query heads together, so K/V is
-//     read once per KV head), or several over its context when there are fewer tasks than
-//     threads (split-K, merged afterwards);
+//     read once per KV head), or in fp32 one task for all its KV heads; or several over its
+//     context when there are fewer tasks than threads (split-K, merged afterwards);
 //   - a prefill chunk: one task per KV head and kPrefillRowsPerTask query rows (tokens x group).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -98,14 +98,16 @@ struct Work {
 
 // The splits of one decode token's context, for one KV head.
 struct SplitGroup {
-  int64_t token, kv_head, first_partial, num_partials;
+  int64_t token, kv_head, num_heads, first_partial, num_partials;
 };
 
 struct Plan {
   std::vector<Work> work;  // costliest first
   std::vector<SplitGroup> splits;
   int64_t num_partials = 0;
-  int64_t max_rows = 0;
+  int64_t max_rows = 0;         // query rows of the largest task
+  int64_t max_decode_rows = 0;  // of the largest decode task (a split-K slot's rows)
+  bool whole_decode_tokens = false;  // a decode task takes every KV head of its token
   int64_t total_cost = 0;
 };
 
@@ -145,15 +147,17 @@ int64_t decode_splits(int64_t len, int64_t num_tasks, int64_t threads, int64_t f
   return std::max<int64_t>(1, std::min(wanted, len / kMinSplitKeys));
 }
 
-void add_decode(Plan& plan, int64_t seq, int64_t token, int64_t len, int64_t kv_head, int64_t group, int64_t splits) {
+void add_decode(Plan& plan, int64_t seq, int64_t token, int64_t len, int64_t kv_head, int64_t num_heads,
+                int64_t group, int64_t splits) {
   const int64_t tile = mini_infer::kMaxTileKeys;
   const int64_t chunk = ((len + splits - 1) / splits + tile - 1) / tile * tile;
   const int64_t parts = (len + chunk - 1) / chunk;
-  if (parts > 1) plan.splits.push_back({token, kv_head, plan.num_partials, parts});
+  plan.max_decode_rows = std::max(plan.max_decode_rows, group * num_heads);
+  if (parts > 1) plan.splits.push_back({token, kv_head, num_heads, plan.num_partials, parts});
   for (int64_t key = 0; key < len; key += chunk) {
     const int64_t end = std::min(len, key + chunk);
-    plan.work.push_back({{seq, kv_head, token, 1, len - 1, key, end}, parts > 1 ? plan.num_partials++ : -1,
-                         group * (end - key)});
+    plan.work.push_back({{seq, kv_head, token, 1, len - 1, key, end, num_heads},
+                         parts > 1 ? plan.num_partials++ : -1, group * num_heads * (end - key)});
   }
 }
 
@@ -167,18 +171,28 @@ void add_prefill(Plan& plan, int64_t seq, int64_t token_begin, int64_t query_len
   }
 }
 
-Plan plan_work(const BatchShape& s, int64_t group, int64_t forced_splits) {
+Plan plan_work(const BatchShape& s, int64_t group, int64_t forced_splits, bool whole_decode_tokens) {
   int64_t tasks = 0;  // without splits
   const int64_t tokens_per_task = std::max<int64_t>(1, kPrefillRowsPerTask / group);
-  for (int64_t i = 0; i < s.num_seqs; ++i)
-    tasks += s.num_kv_heads * ((s.query_start_loc[i + 1] - s.query_start_loc[i] + tokens_per_task - 1) / tokens_per_task);
+  for (int64_t i = 0; i < s.num_seqs; ++i) {
+    const int64_t query_len = s.query_start_loc[i + 1] - s.query_start_loc[i];
+    tasks += query_len == 1 && whole_decode_tokens ? 1
+                                                   : s.num_kv_heads * ((query_len + tokens_per_task - 1) / tokens_per_task);
+  }
   Plan plan;
+  plan.whole_decode_tokens = whole_decode_tokens;
   const int64_t threads = at::get_num_threads();
   for (int64_t i = 0; i < s.num_seqs; ++i) {
     const int64_t token = s.query_start_loc[i], query_len = s.query_start_loc[i + 1] - token, len = s.seq_lens[i];
+    const int64_t splits = decode_splits(len, tasks, threads, forced_splits);
+    if (query_len == 1 && whole_decode_tokens) {
+      add_decode(plan, i, token, len, 0, s.num_kv_heads, group, splits);
+      plan.max_rows = std::max(plan.max_rows, plan.max_decode_rows);
+      continue;
+    }
     for (int64_t h = 0; h < s.num_kv_heads && query_len > 0; ++h) {
       if (query_len == 1)
-        add_decode(plan, i, token, len, h, group, decode_splits(len, tasks, threads, forced_splits));
+        add_decode(plan, i, token, len, h, 1, group, splits);
       else
         add_prefill(plan, i, token, query_len, len, h, group);
     }
@@ -211,11 +225,12 @@ class ThreadBuffers {
   TaskBuffers view_;
 };
 
-// Split-K partial results: per slot and query row, head_dim accumulator values, max, sum.
+// Split-K partial results: per slot and query row (up to `rows` of them: a decode task's),
+// head_dim accumulator values, max, sum.
 struct Partials {
   float* data;
-  int64_t group, head_dim;
-  float* row(int64_t slot, int64_t m) const { return data + (slot * group + m) * (head_dim + 2); }
+  int64_t rows, group, head_dim;
+  float* row(int64_t slot, int64_t m) const { return data + (slot * rows + m) * (head_dim + 2); }
 };
 
 template <class scalar_t>
@@ -228,8 +243,8 @@ struct Output {
 // A finished task's rows: normalised into the output, or kept whole for the split-K merge.
 template <class scalar_t>
 void store_result(const Work& w, const TaskBuffers& b, const Output<scalar_t>& out, const Partials& partials) {
-  const int64_t group = partials.group, head_dim = partials.head_dim;
-  for (int64_t m = 0; m < w.task.num_tokens * group; ++m) {
+  const int64_t group = partials.group, head_dim = partials.head_dim, rows_per_token = group * w.task.num_heads;
+  for (int64_t m = 0; m < w.task.num_tokens * rows_per_token; ++m) {
     const float* acc = b.acc + m * head_dim;
     if (w.partial >= 0) {
       float* dst = partials.row(w.partial, m);
@@ -237,18 +252,18 @@ void store_result(const Work& w, const TaskBuffers& b, const Output<scalar_t>& o
       dst[head_dim] = b.row_max[m], dst[head_dim + 1] = b.row_sum[m];
       continue;
     }
-    scalar_t* dst = out.row(w.task.token_begin + m / group, w.task.kv_head * group + m % group);
+    scalar_t* dst = out.row(w.task.token_begin + m / rows_per_token, w.task.kv_head * group + m % rows_per_token);
     const float inv_sum = 1.f / b.row_sum[m];
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv_sum);
   }
 }
 
-// The splits of one decode token and KV head, combined: each split's accumulator and sum
-// weighted by exp(its max - the overall max).
+// The splits of one decode token, combined: each split's accumulator and sum weighted by
+// exp(its max - the overall max).
 template <class scalar_t>
 void merge_splits(const SplitGroup& s, const Output<scalar_t>& out, const Partials& partials, float* acc) {
   const int64_t head_dim = partials.head_dim;
-  for (int64_t g = 0; g < partials.group; ++g) {
+  for (int64_t g = 0; g < partials.group * s.num_heads; ++g) {
     float top = -std::numeric_limits<float>::infinity(), sum = 0.f;
     for (int64_t i = 0; i < s.num_partials; ++i) top = std::max(top, partials.row(s.first_partial + i, g)[head_dim]);
     std::fill(acc, acc + head_dim, 0.f);
@@ -267,18 +282,20 @@ template <class scalar_t>
 void run_plan(const Plan& plan, const AttentionProblem& problem, int64_t num_kv_heads, mini_infer::AttendFn attend,
               torch::Tensor& out) {
   const Output<scalar_t> output{out.data_ptr<scalar_t>(), out.stride(0), out.stride(1)};
-  auto partial_storage = torch::empty({plan.num_partials * problem.group * (problem.head_dim + 2)},
+  auto partial_storage = torch::empty({plan.num_partials * plan.max_decode_rows * (problem.head_dim + 2)},
                                       torch::dtype(torch::kFloat32));
-  const Partials partials{partial_storage.data_ptr<float>(), problem.group, problem.head_dim};
+  const Partials partials{partial_storage.data_ptr<float>(), plan.max_decode_rows, problem.group, problem.head_dim};
   const int64_t num_work = static_cast<int64_t>(plan.work.size());
   const int64_t workers = plan.total_cost < kMinParallelWork ? 1 : std::min<int64_t>(at::get_num_threads(), num_work);
   // Tasks are taken in order, costliest first, by whichever thread is free, `claim` at a time:
-  // with plenty of tasks, num_kv_heads of them, which in a decode batch are one sequence's KV
-  // heads (equal costs keep their order). A block holds every KV head's row of a token side
-  // by side, so the sequence's blocks then pass through one core's caches, not two. Decode,
-  // 2 threads, an AMD EPYC (avx512_bf16), medians of 7 alternating rounds against one task
-  // at a time: bf16 0.79-0.83x the time (b64 x ctx512 0.963 -> 0.796 ms), fp32 0.88-0.96x.
-  const int64_t claim = num_work >= kTasksPerThread * workers * num_kv_heads ? num_kv_heads : 1;
+  // where decode tokens are split by KV head and there are plenty of tasks, num_kv_heads of
+  // them, which in a decode batch are one sequence's KV heads (equal costs keep their order).
+  // A block holds every KV head's row of a token side by side, so the sequence's blocks then
+  // pass through one core's caches, not two. Decode, 2 threads, an AMD EPYC (avx512_bf16),
+  // medians of 7 alternating rounds against one task at a time: bf16 0.79-0.83x the time
+  // (b64 x ctx512 0.963 -> 0.796 ms), fp32 0.88-0.96x. (fp32 decode tokens are whole tasks:
+  // see paged_attention.)
+  const int64_t claim = !plan.whole_decode_tokens && num_work >= kTasksPerThread * workers * num_kv_heads ? num_kv_heads : 1;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const ThreadBuffers buffers(plan.max_rows, problem.head_dim);
@@ -328,7 +345,13 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
                          k_cache.size(2), k_cache.size(0)};
   check_batch(shape, problem);
   const IsaKernels& kernels = select_kernels(isa, head_dim);
-  const Plan plan = plan_work(shape, group, num_splits);
+  // fp32 decode tokens are one task each, all KV heads together: a key position's rows of every
+  // KV head lie side by side, so a task reads each block once, front to back (Zen 3 EPYC, AVX2,
+  // 2 threads, SmolLM2's heads, LLC flushed: 0.39-0.41 -> 0.41-0.43 of copy at batch 64 x
+  // context 512, 0.31-0.32 -> 0.38-0.47 at batch 1 x 4096; docs/PERFORMANCE.md). bf16 rows are
+  // half as long, and there the same tasks ran 0.80x as fast, so bf16 and fp16 keep one task
+  // per KV head.
+  const Plan plan = plan_work(shape, group, num_splits, query.scalar_type() == torch::kFloat32);
   auto out = torch::empty_like(query);
   switch (query.scalar_type()) {
     case torch::kFloat32: run_plan<float>(plan, problem, shape.num_kv_heads, kernels.attend_f32, out); break;

@@ -35,6 +35,8 @@ SHAPES = {
     "long-decode-g3-d64-b16": ([(1000, 1), (2047, 1), (513, 1)], 9, 3, 64, 16),
     # enough tasks that each thread claims a sequence's KV heads together (run_plan)
     "many-decodes-g3-d64-b16": ([(40 + 7 * (i % 24), 1) for i in range(48)], 9, 3, 64, 16),
+    # an fp32 decode task of all 8 KV heads: 32 query rows, each head's at its own offset
+    "decode-g4-d128-kv8-b16": (DECODE, 32, 8, 128, 16),
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ISAS = cpu_attention.supported_isas() if cpu_attention.is_available() else []
@@ -64,7 +66,8 @@ def test_every_isa_matches_reference(isa, shape_id, dtype):
 
 @pytest.mark.parametrize("num_splits", [2, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("shape_id", ["decode-g3-d64-b16", "mixed-g7-d128-b8", "long-decode-g3-d64-b16"])
+@pytest.mark.parametrize("shape_id", ["decode-g3-d64-b16", "mixed-g7-d128-b8", "long-decode-g3-d64-b16",
+                                      "decode-g4-d128-kv8-b16"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_split_context_matches_reference(isa, shape_id, dtype, num_splits):
     """Decode contexts split n ways and merged; short sequences get fewer, non-empty splits."""
