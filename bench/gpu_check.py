@@ -24,11 +24,13 @@ part without CUDA: arguments, imports, the workload, the test list (collected, n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -249,17 +251,37 @@ def run_engine(backend: str, dry_run: bool, model: str = MODEL, device: str = "c
 
     workload = make_workload("w1_mixed")
     workload = quick_workload(workload) if quick else workload
-    batches, prompt_len, steps = ((1, 4), 32, 4) if quick else ((1, 64), 512, 24)
     result = {"model": model, "backend": backend, "workload": workload["name"],
               "requests": len(workload["requests"]), "dry_run": dry_run}
     if dry_run:
         from engine.llm import LLM  # noqa: F401 - the imports of a real run
         return result
-    # Cold means cold: no kernels from Triton's disk cache (set before triton is imported).
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpu-check-triton-")
+    with empty_triton_cache():
+        return _measure_engine(backend, model, device, quick, workload, result)
+
+
+@contextlib.contextmanager
+def empty_triton_cache():
+    """Cold means cold: Triton compiles into a fresh ``$TRITON_CACHE_DIR`` (read at each
+    compile), which is removed afterwards and the variable restored."""
+    previous = os.environ.get("TRITON_CACHE_DIR")
+    cache_dir = tempfile.mkdtemp(prefix="gpu-check-triton-")
+    os.environ["TRITON_CACHE_DIR"] = cache_dir
+    try:
+        yield cache_dir
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = previous
+        shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def _measure_engine(backend: str, model: str, device: str, quick: bool, workload: dict, result: dict) -> dict:
     from engine.llm import LLM
     from kernels.triton_launches import compiled_variant_counts
 
+    batches, prompt_len, steps = ((1, 4), 32, 4) if quick else ((1, 64), 512, 24)
     start = time.perf_counter()
     llm = LLM(model=model, dtype="bfloat16", device=device, attention_backend=backend)
     engine = llm.llm_engine

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -86,11 +87,26 @@ def test_bad_arguments(tmp_path):
     assert result.returncode == 2 and "unknown argument '--fast'" in result.stderr
 
 
+def test_the_cold_triton_cache_is_removed_and_the_variable_restored(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    with gpu_check.empty_triton_cache() as cache_dir:
+        assert os.environ["TRITON_CACHE_DIR"] == cache_dir
+        assert Path(cache_dir).name.startswith("gpu-check-triton-") and not any(Path(cache_dir).iterdir())
+        (Path(cache_dir) / "kernel.cubin").write_bytes(b"\0")
+    assert not Path(cache_dir).exists() and os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    with pytest.raises(RuntimeError, match="boom"), gpu_check.empty_triton_cache() as cache_dir:
+        raise RuntimeError("boom")
+    assert not Path(cache_dir).exists() and "TRITON_CACHE_DIR" not in os.environ
+
+
 @pytest.mark.slow
 def test_engine_part_on_the_cpu():
     """The engine part end to end, shrunk to run here: every measurement but the CUDA ones."""
+    before = os.environ.get("TRITON_CACHE_DIR")
     result = gpu_check.run_engine("torch", dry_run=False, model="dummy:smollm2-135m", device="cpu",
                                   quick=True)
+    assert os.environ.get("TRITON_CACHE_DIR") == before  # later tests compile into the usual cache
     assert result["workload"] == "w1_mixed-quick" and result["requests"] == 8
     for run in ("cold", "warm"):
         assert result[run]["output_tokens"] == 8 * 16 and result[run]["output_tokens_per_s"] > 0
