@@ -131,6 +131,11 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
                 if not _is_union_tag(part)]
     param = _cut(".".join(location), MAX_PARAM_CHARS) or None  # a dict key can be any length
     message = first.get("msg", "invalid request")
+    members = _union_members(exc.errors(), first)
+    if members:  # the value matched no member of a union: say what each would have been
+        kinds = [_describe_type(tag) for tag in members]
+        listed = ", ".join(kinds[:-1]) + " or " + kinds[-1]
+        return OpenAIError(400, f"{param}: must be {listed}; got {_json_kind(first.get('input'))}", param)
     if first.get("type") == "missing":
         message = f"{param} is required" if param else "the request body (a JSON object) is required"
     elif not param:
@@ -140,6 +145,41 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     else:
         message = f"{param}: {message}"
     return OpenAIError(400, message, param)
+
+
+def _union_members(errors, first: dict) -> list[str]:
+    """The union members (pydantic's tags, e.g. ``["str", "list[int]"]``) that each refused
+    the value at ``first``'s location as a whole, when that is where ``first`` failed; else
+    ``[]`` (a member that got further, into a list say, failed deeper and was picked)."""
+    loc = tuple(first.get("loc", ()))
+    if len(loc) < 2 or not _is_union_tag(loc[-1]):
+        return []
+    tags = [e["loc"][-1] for e in errors if len(e.get("loc", ())) == len(loc) and tuple(e["loc"][:-1]) == loc[:-1]
+            and _is_union_tag(e["loc"][-1])]
+    return tags if len(tags) > 1 else []
+
+
+_TYPE_NAMES = {"str": ("a string", "strings"), "int": ("an integer", "integers"), "float": ("a number", "numbers"),
+               "bool": ("a boolean", "booleans"), "dict": ("an object", "objects")}
+
+
+def _describe_type(tag: str, plural: bool = False) -> str:
+    """A union tag in JSON's words: ``list[list[int]]`` -> "an array of arrays of integers"."""
+    if tag.startswith("list[") and tag.endswith("]"):
+        return ("arrays of " if plural else "an array of ") + _describe_type(tag[5:-1], plural=True)
+    one, many = _TYPE_NAMES.get(tag, (f"a {tag} object", f"{tag} objects"))
+    return many if plural else one
+
+
+def _json_kind(value) -> str:
+    """What the client sent, in JSON's words."""
+    if value is None:
+        return "null"
+    for kind, name in ((bool, "a boolean"), ((int, float), "a number"), (str, "a string"), (list, "an array"),
+                       (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
 
 
 def _is_union_tag(part) -> bool:

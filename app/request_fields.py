@@ -121,7 +121,7 @@ KNOWN_FIELDS: list[KnownField] = [
     *_implemented("continue_final_message", True, CHAT, requires={"add_generation_prompt": False}),
     *_implemented("cache_salt", "tenant-a"),
     # ---- unsupported: OpenAI ----
-    *_unsupported("best_of", 3, off=(None, 1), note="server-side best-of-n (vLLM V1 dropped it too)"),
+    *_unsupported("best_of", 3, off=(None, 1), note="server-side best-of-n; vLLM V1 dropped it too"),
     *_unsupported("suffix", "!", COMPLETIONS, off=(None, ""), note="fill-in-the-middle"),
     *_unsupported("audio", {"voice": "alloy", "format": "wav"}, CHAT),
     *_unsupported("modalities", ["text", "audio"], CHAT, off=(None, ["text"])),

@@ -28,6 +28,13 @@ def _error_cases():
          "max_tokens must be >= 1"),
         ("n 0", "/v1/completions", {**ok, "n": 0}, 400, "n", None, "n must be an integer in [1, 128]"),
         ("empty prompt", "/v1/completions", {**ok, "prompt": ""}, 400, "prompt", None, "prompt is empty"),
+        ("prompt a number", "/v1/completions", {**ok, "prompt": 5}, 400, "prompt", None,
+         "prompt: must be a string, an array of integers, an array of strings or an array of arrays of integers; "
+         "got a number"),
+        ("stop an object", "/v1/completions", {**ok, "stop": {"a": 1}}, 400, "stop", None,
+         "stop: must be a string or an array of strings; got an object"),
+        ("prompt a float token", "/v1/completions", {**ok, "prompt": [1, 2.5]}, 400, "prompt.1", None,
+         "prompt.1: Input should be a valid integer"),
         ("prompt over max_model_len", "/v1/completions", {**ok, "prompt": LONG_PROMPT}, 400, "prompt",
          "context_length_exceeded", "exceeds max_model_len (8192)"),
         ("chat over max_model_len", "/v1/chat/completions",
