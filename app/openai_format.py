@@ -180,7 +180,7 @@ class ChatFormatter(ResponseFormatter):
     def chunks(self, output: EngineOutput, first: bool) -> list[str]:
         # The first chunk of each choice carries the assistant role, as OpenAI's does.
         roles = [self._sse([{"index": i, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}])
+                             "logprobs": None, "finish_reason": None, "stop_reason": None}])
                  for i in range(len(self.choices))] if first else []
         return roles + super().chunks(output, first)
 

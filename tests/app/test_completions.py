@@ -24,6 +24,8 @@ def test_streamed_greedy_text_equals_the_non_streamed_text(client):
     chat_chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
                                                       stream=True))
     assert chat_chunks[0].choices[0].delta.role == "assistant"
+    # every choice of every chunk has the same fields, the role chunk's included (vLLM's shape)
+    assert all(c.choices[0].model_extra == {"stop_reason": None} for c in chat_chunks[:-1])
     streamed = "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices)
     assert streamed == chat_full.choices[0].message.content
 
