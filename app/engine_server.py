@@ -132,11 +132,13 @@ class EngineServer:
         start = time.perf_counter()
         timing = _Timing(start, self.latencies)
         num_output_tokens, finish_reasons, num_prompt_tokens = 0, [], 0
+        rejected = completed = False
         try:
             async with contextlib.aclosing(self._outputs(prompt, params, request_id)) as outputs:
                 try:
                     first = await anext(outputs)
                 except ValueError as exc:  # the engine's "can never be served as sent"
+                    rejected = True
                     yield rejection(exc)
                     return
                 held: RequestOutput | None = None  # not streamed: everything so far
@@ -159,10 +161,14 @@ class EngineServer:
                         record["prompt_text"] = self._prompt_text(output)
                     sent_any = True
                     yield record
+            completed = True
         finally:
-            if timing.first is not None:  # rejected requests have no latency to report
-                self._record_request(num_prompt_tokens, num_output_tokens, timing.first - start,
-                                     time.perf_counter() - start, finish_reasons)
+            if not (completed or rejected):  # the client left (or the request failed) first
+                finish_reasons += ["abort"] * (params.n - len(finish_reasons))
+            if not rejected:  # rejected requests have no latency and no finish to report
+                ttft = 0.0 if timing.first is None else timing.first - start  # (not observed without output)
+                self._record_request(num_prompt_tokens, num_output_tokens, ttft, time.perf_counter() - start,
+                                     finish_reasons)
 
     async def _outputs(self, prompt: dict, params: SamplingParams,
                        request_id: str | None) -> AsyncIterator[RequestOutput]:

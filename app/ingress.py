@@ -103,15 +103,18 @@ class OpenAIIngress:
             raise OpenAIError(400, "echo with logprobs needs the prompt's logprobs (prompt_logprobs), "
                               "which this server does not compute", param="echo",
                               code="unsupported_parameter")
+        prompt, params = body.engine_prompt(), body.sampling_params()  # checked before n sizes anything
         formatter = ResponseFormatter(self.config.model_name, body.n, body.logprobs, body.include_usage)
-        return await self._respond(request, body, formatter, echo=body.echo)
+        return await self._respond(request, body, prompt, params, formatter, echo=body.echo)
 
     @fastapi_app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check(body, "chat")
+        body.check_tools()
+        prompt, params = body.engine_prompt(), body.sampling_params()  # checked before n sizes anything
         formatter = ChatFormatter(self.config.model_name, body.n, body.num_logprobs(), body.include_usage,
                                   body.tool_mode())
-        return await self._respond(request, body, formatter, prompt_param="messages")
+        return await self._respond(request, body, prompt, params, formatter, prompt_param="messages")
 
     @fastapi_app.get("/v1/models")
     async def models(self):
@@ -223,9 +226,8 @@ class OpenAIIngress:
             raise OpenAIError(400, f"{field.name} is not supported by this server{note}; leave it out",
                               param=field.name, code="unsupported_parameter")
 
-    async def _respond(self, request: Request, body: SamplingRequest, formatter: ResponseFormatter,
-                       prompt_param: str = "prompt", echo: bool = False):
-        prompt, params = body.engine_prompt(), body.sampling_params()
+    async def _respond(self, request: Request, body: SamplingRequest, prompt: dict, params: SamplingParams,
+                       formatter: ResponseFormatter, prompt_param: str = "prompt", echo: bool = False):
         call = _EngineCall(self.engine_stream.generate.remote(prompt, params, uuid.uuid4().hex, echo,
                                                               body.stream))
         try:

@@ -7,6 +7,7 @@ import time
 import uuid
 from typing import Literal
 
+import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from app.tool_calls import ToolMode, tool_constraint
@@ -138,6 +139,8 @@ class SamplingRequest(BaseModel):
         if OPENAI_MAX_TEMPERATURE < self.temperature < math.inf:  # the engine, as vLLM's, takes any finite
             raise InvalidRequestError(f"temperature must be at most {OPENAI_MAX_TEMPERATURE:g} (the OpenAI API's "
                                       f"range [0, 2]); got {self.temperature:g}", param="temperature")
+        if self.stream_options is not None and not self.stream:  # as vLLM: not ignored silently
+            raise InvalidRequestError("stream_options is only allowed with stream: true", param="stream_options")
         max_tokens, logprobs = self.max_new_tokens(), self.num_logprobs()
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -349,6 +352,33 @@ class ChatCompletionRequest(SamplingRequest):
                                           f"among tools ({', '.join(names)})", "tool_choice")
             return ToolMode("named", choice.function.name)
         return ToolMode(choice)
+
+    def check_tools(self) -> None:
+        """Checks what ``tool_mode`` does not: every function name once, and every
+        ``parameters`` a JSON schema (its metaschema's check, ``jsonschema``), whether or not
+        this request's choice makes the model call that function.
+
+        Raises:
+            InvalidRequestError: naming ``tools[i].function.name`` or ``...parameters``.
+        """
+        first_index: dict[str, int] = {}
+        for i, tool in enumerate(self.tools or []):
+            name, schema = tool.function.name, tool.function.parameters
+            if name in first_index:
+                raise InvalidRequestError(f"tools[{i}].function.name: {name!r} is also tools[{first_index[name]}]'s; "
+                                          "function names must be unique", f"tools[{i}].function.name")
+            first_index[name] = i
+            try:
+                if schema is not None:
+                    jsonschema.validators.validator_for(schema).check_schema(schema)
+            except jsonschema.SchemaError as exc:
+                where = "".join(f"[{part!r}]" for part in exc.path)
+                reason = exc.message  # it quotes the schema: a long one is cut
+                if len(reason) > 200:
+                    reason = f"{reason[:200]}... ({len(reason)} characters)"
+                raise InvalidRequestError(f"tools[{i}].function.parameters is not a valid JSON schema: "
+                                          f"{reason} (at parameters{where})",
+                                          f"tools[{i}].function.parameters") from exc
 
     def functions(self) -> list[dict]:
         return [tool.function.model_dump(exclude_none=True) for tool in self.tools or []]

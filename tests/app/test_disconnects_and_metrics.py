@@ -46,8 +46,20 @@ def test_streams_cut_after_their_first_chunk_free_everything_within_2s(api):
             idle, stats = await _wait_idle(session, api.url, timeout=2.0)
             return idle, stats, time.monotonic() - cut_at
 
+    aborted = r'mini_infer_request_success_total\{[^}]*finished_reason="abort"[^}]*\}'
+    before = _sample(requests.get(api.url + "/metrics", timeout=30).text, aborted)
     idle, stats, seconds = asyncio.run(main())
     assert idle, f"not idle {seconds:.2f}s after 20 disconnects: {stats}"
+    deadline, counted = time.monotonic() + 10, 0.0
+    while counted < 20 and time.monotonic() < deadline:  # recorded as each stream closes
+        counted = _sample(requests.get(api.url + "/metrics", timeout=30).text, aborted) - before
+        time.sleep(0.2)
+    assert counted == 20  # each request's one choice, finished by its client leaving
+
+
+def _sample(text: str, pattern: str) -> float:
+    """The sum of the samples whose series matches ``pattern`` in Prometheus text."""
+    return sum(float(v) for v in re.findall(rf"^{pattern} (\S+)$", text, re.M))
 
 
 def test_a_non_streaming_client_that_leaves_aborts_its_request(api):
@@ -125,9 +137,7 @@ def test_metrics_on_the_http_port_list_every_readme_series_from_the_start(api):
 
 
 def test_metrics_count_what_happens(api):
-    def sample(text: str, pattern: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^{pattern} (\S+)$", text, re.M))
-
+    sample = _sample
     before = requests.get(api.url + "/metrics", timeout=30)
     assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
     requests.post(api.url + "/v1/completions", timeout=60,

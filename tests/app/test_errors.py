@@ -6,6 +6,8 @@ import requests
 from tests.app.conftest import MODEL
 
 LONG_PROMPT = "hello " * 9000  # > 8192 tokens
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
 def _error_cases():
@@ -27,6 +29,22 @@ def _error_cases():
         ("max_tokens -1", "/v1/completions", {**ok, "max_tokens": -1}, 400, "max_tokens", None,
          "max_tokens must be >= 1"),
         ("n 0", "/v1/completions", {**ok, "n": 0}, 400, "n", None, "n must be an integer in [1, 128]"),
+        # checked before anything is sized by n (a billion choices once filled the host's memory)
+        ("n a billion", "/v1/completions", {**ok, "n": 10**9}, 400, "n", None,
+         "n must be an integer in [1, 128]; got 1000000000"),
+        ("chat n a billion with tools", "/v1/chat/completions",
+         {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 10**9, "tools": [WEATHER],
+          "tool_choice": "required"}, 400, "n", None, "n must be an integer in [1, 128]"),
+        ("tool schema not a schema", "/v1/chat/completions",
+         {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "tool_choice": "auto",
+          "tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "banana"}}}]},
+         400, "tools[1].function.parameters", None,
+         "tools[1].function.parameters is not a valid JSON schema: 'banana' is not valid under any of the given "
+         "schemas (at parameters['type'])"),
+        ("tool names twice", "/v1/chat/completions",
+         {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER, WEATHER]}, 400,
+         "tools[1].function.name", None,
+         "tools[1].function.name: 'get_weather' is also tools[0]'s; function names must be unique"),
         ("empty prompt", "/v1/completions", {**ok, "prompt": ""}, 400, "prompt", None, "prompt is empty"),
         ("prompt a number", "/v1/completions", {**ok, "prompt": 5}, 400, "prompt", None,
          "prompt: must be a string, an array of integers, an array of strings or an array of arrays of integers; "
@@ -98,6 +116,17 @@ def test_bad_input_gets_the_envelope_streaming_or_not(api, case):
         assert (error["param"], error["code"]) == (param, code)
         assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
     assert responses[0].json() == responses[1].json()
+
+
+def test_stream_options_without_stream_is_refused_not_ignored(api):
+    for path, body in (("/v1/completions", {"prompt": "Hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        response = requests.post(api.url + path, timeout=60, json={
+            "model": MODEL, **body, "max_tokens": 2, "stream_options": {"include_usage": True}})
+        assert response.status_code == 400
+        assert response.json()["error"] == {"message": "stream_options is only allowed with stream: true",
+                                            "type": "invalid_request_error", "param": "stream_options",
+                                            "code": None}
 
 
 def test_unknown_route_and_method_get_the_envelope(api):
