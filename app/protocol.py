@@ -3,6 +3,7 @@ sampling extras. Requests are validated here; their sampling fields become ``Sam
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from typing import Literal
@@ -208,11 +209,13 @@ class SamplingRequest(BaseModel):
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
-    try:
-        return {int(k): v for k, v in (bias or {}).items()}
-    except ValueError:
+    """OpenAI's token-id keys (decimal digits; not Python's int() syntax, which allows
+    spaces and underscores) as ints."""
+    bad = [k for k in bias or {} if not re.fullmatch(r"-?[0-9]+", k)]
+    if bad:
         raise InvalidRequestError(f"logit_bias keys must be token ids (integers); got "
-                                  f"{excerpt(list(bias))}", "logit_bias") from None
+                                  f"{excerpt(bad[0])}", "logit_bias")
+    return {int(k): v for k, v in (bias or {}).items()}
 
 
 class CompletionRequest(SamplingRequest):
