@@ -96,7 +96,7 @@ struct Work {
   int64_t cost;     // query rows x keys
 };
 
-// The splits of one decode token's context, for one KV head.
+// The splits of one decode token's context, for its task's KV heads [kv_head, kv_head + num_heads).
 struct SplitGroup {
   int64_t token, kv_head, num_heads, first_partial, num_partials;
 };
@@ -176,8 +176,8 @@ Plan plan_work(const BatchShape& s, int64_t group, int64_t forced_splits, bool w
   const int64_t tokens_per_task = std::max<int64_t>(1, kPrefillRowsPerTask / group);
   for (int64_t i = 0; i < s.num_seqs; ++i) {
     const int64_t query_len = s.query_start_loc[i + 1] - s.query_start_loc[i];
-    tasks += query_len == 1 && whole_decode_tokens ? 1
-                                                   : s.num_kv_heads * ((query_len + tokens_per_task - 1) / tokens_per_task);
+    const int64_t per_head = (query_len + tokens_per_task - 1) / tokens_per_task;
+    tasks += query_len == 1 && whole_decode_tokens ? 1 : s.num_kv_heads * per_head;
   }
   Plan plan;
   plan.whole_decode_tokens = whole_decode_tokens;
@@ -295,7 +295,8 @@ void run_plan(const Plan& plan, const AttentionProblem& problem, int64_t num_kv_
   // medians of 7 alternating rounds against one task at a time: bf16 0.79-0.83x the time
   // (b64 x ctx512 0.963 -> 0.796 ms), fp32 0.88-0.96x. (fp32 decode tokens are whole tasks:
   // see paged_attention.)
-  const int64_t claim = !plan.whole_decode_tokens && num_work >= kTasksPerThread * workers * num_kv_heads ? num_kv_heads : 1;
+  const bool claim_heads = !plan.whole_decode_tokens && num_work >= kTasksPerThread * workers * num_kv_heads;
+  const int64_t claim = claim_heads ? num_kv_heads : 1;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const ThreadBuffers buffers(plan.max_rows, problem.head_dim);
