@@ -163,6 +163,16 @@ class LLMEngine:
     def _check_params(self, params: SamplingParams) -> None:
         self._check_token_ids("logit_bias", list(params.logit_bias))
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        if params.min_tokens > 0:  # what engine.sampler.apply_min_tokens forbids must leave a token
+            forbidden = set(params.stop_token_ids)
+            eos_held = self.eos_token_id is not None and not params.ignore_eos and params.structured_outputs is None
+            if eos_held:
+                forbidden.add(self.eos_token_id)
+            vocab_size = self.model_config.vocab_size
+            if len(forbidden) >= vocab_size:
+                raise InvalidRequestError(
+                    f"min_tokens: stop_token_ids{' and EOS' if eos_held else ''} cover all {vocab_size} token ids, "
+                    f"so no token may come before min_tokens ({params.min_tokens})", "min_tokens")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError(f"stop: model {self.config.model!r} has no tokenizer to "
                                       "match stop strings; use stop_token_ids", "stop")

@@ -51,6 +51,22 @@ def test_token_ids_over_max_model_len_are_refused_before_the_vocabulary_check(ll
         llm.llm_engine.process_prompt([1, 10**9])
 
 
+def test_min_tokens_needs_a_token_that_stop_token_ids_and_eos_leave(llm):
+    engine = llm.llm_engine
+    vocab_size, eos = engine.model_config.vocab_size, engine.eos_token_id
+    every_other = [t for t in range(vocab_size) if t != eos]
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("r1", [1, 2], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=every_other))
+    assert str(info.value) == (f"min_tokens: stop_token_ids and EOS cover all {vocab_size} token ids, so no "
+                               "token may come before min_tokens (2)")
+    assert info.value.param == "min_tokens"
+    # EOS is not held back with ignore_eos: it is the one token left (nothing was queued above)
+    engine.add_request("r2", [1, 2], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=every_other,
+                                                    ignore_eos=True))
+    engine.abort_request("r2")
+    assert not engine.has_unfinished_requests()
+
+
 def test_a_chat_that_cannot_fit_is_refused_before_templating(llm, monkeypatch):
     engine = llm.llm_engine
     _forbid(monkeypatch, engine.tokenizer, "apply_chat_template")
