@@ -124,14 +124,15 @@ def _unwrap(exc: BaseException) -> BaseException:
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     # Of a union's per-member errors, the deepest is the one about what the client meant.
-    first = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
+    errors = exc.errors()
+    first = max(errors, key=lambda e: len(e.get("loc", ())), default={})
     if first.get("type") == "json_invalid":
         return OpenAIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
     location = [str(part) for part in first.get("loc", ())[1:]  # drop "body" / "query"
                 if not _is_union_tag(part)]
     param = _cut(".".join(location), MAX_PARAM_CHARS) or None  # a dict key can be any length
     message = first.get("msg", "invalid request")
-    members = _union_members(exc.errors(), first)
+    members = _union_members(errors, first)
     if members:  # the value matched no member of a union: say what each would have been
         kinds = [_describe_type(tag) for tag in members]
         listed = ", ".join(kinds[:-1]) + " or " + kinds[-1]

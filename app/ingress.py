@@ -244,8 +244,6 @@ class OpenAIIngress:
             error = OpenAIError(**first)
             if error.param == "prompt":  # the engine says "prompt"; a chat request sent messages
                 error.param = prompt_param
-                if error.message.startswith("prompt_token_ids:"):  # the engine's name for a prompt of ids
-                    error.message = prompt_param + error.message.removeprefix("prompt_token_ids")
             error.message, error.param = body.client_param(error.message, error.param)
             raise error
         headers = {REPLICA_HEADER: first["replica_id"]}

@@ -181,9 +181,9 @@ class LLMEngine:
         vocab_size = self.model_config.vocab_size
         bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
         if bad is not None:
-            raise InvalidRequestError(f"{field_name}: token id {excerpt(bad)} is outside the "
-                                      f"vocabulary [0, {vocab_size})",
-                                      "prompt" if field_name == "prompt_token_ids" else field_name)
+            param = "prompt" if field_name == "prompt_token_ids" else field_name  # the field a client sent
+            raise InvalidRequestError(f"{param}: token id {excerpt(bad)} is outside the vocabulary [0, {vocab_size})",
+                                      param)
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tools: list[dict] | None = None) -> dict:
