@@ -72,6 +72,7 @@ struct IsaKernels {
   const char* name;
   int64_t head_dim_multiple;  // head_dim must be a multiple of this (one vector)
   AttendFn attend_f32, attend_bf16, attend_f16;
+  bool whole_decode_tokens_f32;  // an fp32 decode token is one task of all its KV heads
 };
 
 // Defined in attention_kernels.cpp. Only kScalarKernels exists off x86-64 GCC; calling the

@@ -43,14 +43,17 @@ inline float fp16_to_float(uint16_t h) {
 }  // namespace
 
 // An instruction set's IsaKernels: head_dim must be a multiple of its vector width.
-#define MINI_INFER_KERNEL_TABLE(isa, name) \
-  {name, isa::kLanes, &isa::attend<float>, &isa::attend<bf16_t>, &isa::attend<fp16_t>}
+// `whole_f32`: whether fp32 decode tokens are whole tasks (cpu_attention.cpp: paged_attention).
+#define MINI_INFER_KERNEL_TABLE(isa, name, whole_f32) \
+  {name, isa::kLanes, &isa::attend<float>, &isa::attend<bf16_t>, &isa::attend<fp16_t>, whole_f32}
 
 namespace isa_scalar {
 #include "vec_scalar.h"
 #include "attention_tile.h"
 }  // namespace isa_scalar
-const IsaKernels kScalarKernels = MINI_INFER_KERNEL_TABLE(isa_scalar, "scalar");
+// The scalar kernels plan as AVX2 does (untimed): so that the tests run whole fp32 decode
+// tasks on every CPU.
+const IsaKernels kScalarKernels = MINI_INFER_KERNEL_TABLE(isa_scalar, "scalar", true);
 
 #ifdef MINI_INFER_X86_KERNELS
 #pragma GCC push_options
@@ -79,9 +82,9 @@ namespace isa_avx512_bf16 {
 #undef MINI_INFER_NATIVE_BF16
 #pragma GCC pop_options
 
-const IsaKernels kAvx2Kernels = MINI_INFER_KERNEL_TABLE(isa_avx2, "avx2");
-const IsaKernels kAvx512Kernels = MINI_INFER_KERNEL_TABLE(isa_avx512, "avx512");
-const IsaKernels kAvx512Bf16Kernels = MINI_INFER_KERNEL_TABLE(isa_avx512_bf16, "avx512_bf16");
+const IsaKernels kAvx2Kernels = MINI_INFER_KERNEL_TABLE(isa_avx2, "avx2", true);
+const IsaKernels kAvx512Kernels = MINI_INFER_KERNEL_TABLE(isa_avx512, "avx512", false);
+const IsaKernels kAvx512Bf16Kernels = MINI_INFER_KERNEL_TABLE(isa_avx512_bf16, "avx512_bf16", false);
 #endif
 
 }  // namespace mini_infer

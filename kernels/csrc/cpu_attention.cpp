@@ -293,8 +293,8 @@ void run_plan(const Plan& plan, const AttentionProblem& problem, int64_t num_kv_
   // A block holds every KV head's row of a token side by side, so the sequence's blocks then
   // pass through one core's caches, not two. Decode, 2 threads, an AMD EPYC (avx512_bf16),
   // medians of 7 alternating rounds against one task at a time: bf16 0.79-0.83x the time
-  // (b64 x ctx512 0.963 -> 0.796 ms), fp32 0.88-0.96x. (fp32 decode tokens are whole tasks:
-  // see paged_attention.)
+  // (b64 x ctx512 0.963 -> 0.796 ms), fp32 0.88-0.96x. (With the AVX2 kernels fp32 decode
+  // tokens are whole tasks: see paged_attention.)
   const bool claim_heads = !plan.whole_decode_tokens && num_work >= kTasksPerThread * workers * num_kv_heads;
   const int64_t claim = claim_heads ? num_kv_heads : 1;
   std::atomic<int64_t> next{0};
@@ -346,13 +346,15 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
                          k_cache.size(2), k_cache.size(0)};
   check_batch(shape, problem);
   const IsaKernels& kernels = select_kernels(isa, head_dim);
-  // fp32 decode tokens are one task each, all KV heads together: a key position's rows of every
-  // KV head lie side by side, so a task reads each block once, front to back (Zen 3 EPYC, AVX2,
-  // 2 threads, SmolLM2's heads, LLC flushed: 0.39-0.41 -> 0.41-0.43 of copy at batch 64 x
-  // context 512, 0.31-0.32 -> 0.38-0.47 at batch 1 x 4096; docs/PERFORMANCE.md). bf16 rows are
-  // half as long, and there the same tasks ran 0.80x as fast, so bf16 and fp16 keep one task
-  // per KV head.
-  const Plan plan = plan_work(shape, group, num_splits, query.scalar_type() == torch::kFloat32);
+  // With the AVX2 kernels an fp32 decode token is one task, all KV heads together: a key
+  // position's rows of every KV head lie side by side, so a task reads each block once, front
+  // to back (Zen 3 EPYC, 2 threads, SmolLM2's heads, LLC flushed: 0.39-0.41 -> 0.41-0.43 of
+  // copy at batch 64 x context 512, 0.31-0.32 -> 0.38-0.47 at batch 1 x 4096). With the
+  // AVX-512 kernels the same tasks ran 0.85-0.89x as fast at batch 16-256 (Xeon with AMX, 2
+  // threads, 1 GiB flushed) and bf16 ones 0.78-0.83x on both CPUs, so there a task is one KV
+  // head (docs/PERFORMANCE.md).
+  const bool whole_decode_tokens = query.scalar_type() == torch::kFloat32 && kernels.whole_decode_tokens_f32;
+  const Plan plan = plan_work(shape, group, num_splits, whole_decode_tokens);
   auto out = torch::empty_like(query);
   switch (query.scalar_type()) {
     case torch::kFloat32: run_plan<float>(plan, problem, shape.num_kv_heads, kernels.attend_f32, out); break;
