@@ -89,6 +89,7 @@ def test_cpu_bench_small_run_reports_every_combination():
                             copy_bytes=2**20, flush_bytes=2**20, log=lambda line: None)
     assert set(result["decode"]) == set(result["prefill"]) == {"bfloat16", "float32"}
     assert result["isa"] == result["supported_isas"][0] and result["threads"] >= 1 and result["clock"] == "wall"
+    assert result["flush_bytes"] == 2**20
     for dtype, rows in result["decode"].items():
         assert [(r["batch"], r["context"]) for r in rows] == [(1, 16), (3, 16), (1, 40), (3, 40)]
         elem_size = 2 if dtype == "bfloat16" else 4
@@ -129,3 +130,15 @@ def test_cpu_clock_times_one_thread_only(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["clock"] == "cpu" and result["threads"] == 1
     assert f"decode, float32 ({result['isa']}, 1 threads, cpu time)" in capsys.readouterr().out
+
+
+def test_flush_covers_twice_the_last_level_cache(tmp_path):
+    assert [kb_cpu.cache_size_bytes(t) for t in ("491520K\n", "32M", "512", "1G")] == [
+        480 * 2**20, 32 * 2**20, 512, 2**30]
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "491520K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert kb_cpu.last_level_cache_bytes(tmp_path) == 480 * 2**20
+    assert kb_cpu.last_level_cache_bytes(tmp_path / "missing") is None
+    llc = kb_cpu.last_level_cache_bytes()
+    assert kb_cpu.default_flush_bytes() == max(kb_cpu.FLUSH_BYTES, 2 * (llc or 0))
