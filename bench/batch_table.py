@@ -12,6 +12,7 @@ import argparse
 import random
 from pathlib import Path
 
+import common  # noqa: F401  (before torch: the engine's OpenMP wait policy, bench/common.py)
 import torch
 from common import machine_info, write_result
 from offline import DTYPES, load_hf, run_hf_static, run_mini_infer

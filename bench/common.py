@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from engine.device import cpu_has_bf16_matmul  # noqa: E402
 from engine.models import head_dim_of  # noqa: E402
+from engine.threads import wait_policy_applied  # noqa: E402
 
 
 def load_workload(path: Path, quick: bool = False) -> dict:
@@ -55,6 +56,8 @@ def machine_info() -> dict:
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
+            # whether those two reached libgomp (False: torch was imported before engine)
+            "omp_wait_settings_applied": wait_policy_applied(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "date": datetime.date.today().isoformat()}
 

@@ -31,6 +31,10 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
+# Before torch loads: importing the engine package sets its OpenMP wait policy (engine.threads).
+import engine  # noqa: F401
+
+# isort: split
 import torch
 from kernel_bench import QWEN2_5_7B, AttentionShape, decode_bytes, gbps, make_decode_inputs
 

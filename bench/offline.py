@@ -28,6 +28,7 @@ import argparse
 import time
 from pathlib import Path
 
+import common  # noqa: F401  (before torch: the engine's OpenMP wait policy, bench/common.py)
 import torch
 from common import (
     PeakMemory,

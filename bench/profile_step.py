@@ -17,6 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
+import common  # noqa: F401  (before torch: the engine's OpenMP wait policy, bench/common.py)
 import torch
 from common import load_workload, machine_info, write_result
 from torch.profiler import ProfilerActivity, profile, record_function

@@ -45,6 +45,9 @@ USER_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 HUGE_PAGES_SETTING = "THP_MEM_ALLOC_ENABLE"
 
 
+_wait_policy_before_torch: bool | None = None  # the first set_wait_policy_env()'s answer
+
+
 def set_wait_policy_env() -> bool:
     """Put ``WAIT_POLICY_ENV`` into ``os.environ`` unless the user chose a wait policy.
 
@@ -52,8 +55,19 @@ def set_wait_policy_env() -> bool:
         Whether this process's OpenMP runtime will see it: False when torch was imported
         before (libgomp has read its environment already).
     """
+    global _wait_policy_before_torch
     os.environ.update(wait_policy_env())  # the user's own settings where there are any
+    if _wait_policy_before_torch is None:
+        _wait_policy_before_torch = "torch" not in sys.modules
     return "torch" not in sys.modules
+
+
+def wait_policy_applied() -> bool:
+    """Whether torch's OpenMP runtime in this process runs with the wait settings in
+    ``os.environ``: the first ``set_wait_policy_env()`` (``import engine``) came before torch
+    was imported. False where torch came first: libgomp then kept its default, 300,000
+    spins, whatever ``GOMP_SPINCOUNT`` says now."""
+    return bool(_wait_policy_before_torch)
 
 
 def wait_policy_env() -> dict[str, str]:
@@ -127,6 +141,8 @@ def configure_cpu_threads() -> int:
     num_threads = cpus_given()
     torch.set_num_threads(num_threads)
     wait = ", ".join(f"{k}={v}" for k, v in os.environ.items() if k in USER_WAIT_SETTINGS) or "libgomp's default"
+    if not wait_policy_applied():
+        wait = "libgomp's default (torch was imported before the engine set its wait policy)"
     huge_pages = "on" if huge_pages_requested() else "off"
     logger.info("CPU threads: %d intra-op (torch), OpenMP wait: %s, huge pages (%s): %s (kernel THP mode: %s)",
                 num_threads, wait, HUGE_PAGES_SETTING, huge_pages, kernel_thp_mode())

@@ -89,6 +89,17 @@ def test_importing_engine_sets_the_policy_before_torch_loads():
     assert out.stdout.strip() == "1000"
 
 
+def test_torch_imported_first_is_reported_as_libgomps_default():
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = ("import logging, torch, engine; from engine import threads; logging.basicConfig(level='INFO'); "
+            "print(threads.wait_policy_applied()); threads.configure_cpu_threads()")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
+    assert "OpenMP wait: libgomp's default (torch was imported before the engine set its wait policy)," \
+        in out.stderr
+
+
 def test_a_cpu_engine_sets_torch_threads_to_the_cpus_given(monkeypatch):
     from engine import LLM
 
