@@ -80,21 +80,23 @@ def test_importing_engine_puts_large_cpu_buffers_on_huge_pages(setting, huge):
         assert (int(huge_kib) >= 32 * 1024) is huge  # most of the 64 MiB
 
 
-def test_importing_engine_sets_the_policy_before_torch_loads():
+def _fresh_python(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a new interpreter without the user's OpenMP wait settings."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    code = ("import sys, os, engine; assert 'torch' not in sys.modules; import torch; "
-            "print(os.environ['GOMP_SPINCOUNT'])")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "1000"
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120, check=True)
+
+
+def test_importing_engine_sets_the_policy_before_torch_loads():
+    out = _fresh_python("import sys, os, engine; assert 'torch' not in sys.modules; import torch; "
+                        "from engine.threads import wait_policy_applied; "
+                        "print(os.environ['GOMP_SPINCOUNT'], wait_policy_applied())")
+    assert out.stdout.strip() == "1000 True"
 
 
 def test_torch_imported_first_is_reported_as_libgomps_default():
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    code = ("import logging, torch, engine; from engine import threads; logging.basicConfig(level='INFO'); "
-            "print(threads.wait_policy_applied()); threads.configure_cpu_threads()")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120, check=True)
+    out = _fresh_python("import logging, torch, engine; from engine import threads; logging.basicConfig(level='INFO'); "
+                        "print(threads.wait_policy_applied()); threads.configure_cpu_threads()")
     assert out.stdout.strip() == "False"
     assert "OpenMP wait: libgomp's default (torch was imported before the engine set its wait policy)," \
         in out.stderr
