@@ -56,17 +56,19 @@ def set_wait_policy_env() -> bool:
         before (libgomp has read its environment already).
     """
     global _wait_policy_before_torch
+    users_own = any(name in os.environ for name in USER_WAIT_SETTINGS)
     os.environ.update(wait_policy_env())  # the user's own settings where there are any
     if _wait_policy_before_torch is None:
-        _wait_policy_before_torch = "torch" not in sys.modules
+        _wait_policy_before_torch = users_own or "torch" not in sys.modules
     return "torch" not in sys.modules
 
 
 def wait_policy_applied() -> bool:
     """Whether torch's OpenMP runtime in this process runs with the wait settings in
-    ``os.environ``: the first ``set_wait_policy_env()`` (``import engine``) came before torch
-    was imported. False where torch came first: libgomp then kept its default, 300,000
-    spins, whatever ``GOMP_SPINCOUNT`` says now."""
+    ``os.environ``: the user's own were there from the start, or the first
+    ``set_wait_policy_env()`` (``import engine``) came before torch was imported. False where
+    torch came first and the setting is the engine's: libgomp then kept its default,
+    300,000 spins, whatever ``GOMP_SPINCOUNT`` says now."""
     return bool(_wait_policy_before_torch)
 
 

@@ -80,9 +80,10 @@ def test_importing_engine_puts_large_cpu_buffers_on_huge_pages(setting, huge):
         assert (int(huge_kib) >= 32 * 1024) is huge  # most of the 64 MiB
 
 
-def _fresh_python(code: str) -> subprocess.CompletedProcess:
-    """``code`` in a new interpreter without the user's OpenMP wait settings."""
+def _fresh_python(code: str, **user_env: str) -> subprocess.CompletedProcess:
+    """``code`` in a new interpreter with ``user_env`` as its only OpenMP wait settings."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(user_env)
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120, check=True)
 
@@ -95,8 +96,12 @@ def test_importing_engine_sets_the_policy_before_torch_loads():
 
 
 def test_torch_imported_first_is_reported_as_libgomps_default():
-    out = _fresh_python("import logging, torch, engine; from engine import threads; logging.basicConfig(level='INFO'); "
-                        "print(threads.wait_policy_applied()); threads.configure_cpu_threads()")
+    code = ("import logging, torch, engine; from engine import threads; logging.basicConfig(level='INFO'); "
+            "print(threads.wait_policy_applied()); threads.configure_cpu_threads()")
+    users_own = _fresh_python(code, GOMP_SPINCOUNT="5000")  # libgomp read it at start-up
+    assert users_own.stdout.strip() == "True"
+    assert "OpenMP wait: GOMP_SPINCOUNT=5000," in users_own.stderr
+    out = _fresh_python(code)
     assert out.stdout.strip() == "False"
     assert "OpenMP wait: libgomp's default (torch was imported before the engine set its wait policy)," \
         in out.stderr
