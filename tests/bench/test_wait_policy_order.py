@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+from engine.threads import USER_WAIT_SETTINGS
 from tests.serve_process import ROOT
 
 PROBE = ("import sys; sys.path.insert(0, 'bench'); import {module}; "
@@ -14,7 +15,7 @@ PROBE = ("import sys; sys.path.insert(0, 'bench'); import {module}; "
 
 
 def _start(code: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    env = {k: v for k, v in os.environ.items() if k not in USER_WAIT_SETTINGS}
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

@@ -82,7 +82,7 @@ def test_importing_engine_puts_large_cpu_buffers_on_huge_pages(setting, huge):
 
 def _fresh_python(code: str, **user_env: str) -> subprocess.CompletedProcess:
     """``code`` in a new interpreter with ``user_env`` as its only OpenMP wait settings."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env = {k: v for k, v in os.environ.items() if k not in threads.USER_WAIT_SETTINGS}
     env.update(user_env)
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120, check=True)
