@@ -141,9 +141,10 @@ class ResponseFormatter:
     def _logprobs(self, entries: list[list[LogprobEntry]] | None, offsets: _TextOffsets) -> dict | None:
         """Completions' legacy shape: tokens, token_logprobs, top_logprobs, text_offset.
 
-        ``top_logprobs`` maps each alternative's ``legacy_token`` to its logprob; should two
-        alternatives share a name (two token ids with the same bytes), the higher-ranked one
-        keeps it: the shape cannot show both.
+        ``top_logprobs`` maps each alternative's ``legacy_token`` to its logprob, and the
+        sampled token's where it is not among the top ``logprobs`` (OpenAI: "up to
+        logprobs+1 elements"); should two alternatives share a name (two token ids with the
+        same bytes), the higher-ranked one keeps it: the shape cannot show both.
         """
         if self.num_logprobs is None or entries is None:
             return None
@@ -152,6 +153,8 @@ class ResponseFormatter:
             top: dict[str, float] = {}
             for alternative in self._top(entry):
                 top.setdefault(legacy_token(alternative), alternative.logprob)
+            # OpenAI's legacy shape always has the sampled token: up to logprobs + 1 entries
+            top.setdefault(legacy_token(entry[0]), entry[0].logprob)
             top_logprobs.append(top)
         return {"tokens": [legacy_token(e[0]) for e in entries], "token_logprobs": [e[0].logprob for e in entries],
                 "top_logprobs": top_logprobs, "text_offset": [offsets.advance(e[0]) for e in entries]}
@@ -160,7 +163,8 @@ class ResponseFormatter:
 class ChatFormatter(ResponseFormatter):
     """Chat completions: ``message``/``delta`` objects and the chat logprobs shape; with
     tools, ``tool_calls`` (``app.tool_calls``) and ``finish_reason: "tool_calls"`` where the
-    reply ended (``stop``) having called a tool.
+    reply ended (``stop``) having called a tool by its own choice (``auto``, ``required``); a
+    call forced by name ends with ``stop``, as OpenAI's and vLLM's do.
 
     Args:
         tool_mode: how the replies hold tool calls (``ChatCompletionRequest.tool_mode``),
@@ -189,7 +193,7 @@ class ChatFormatter(ResponseFormatter):
         message = {"role": "assistant", "content": text}
         if self.tool_mode is not None:
             message = final_message(self.tool_mode, text)
-            if message.get("tool_calls") and finish_reason == "stop":
+            if message.get("tool_calls") and finish_reason == "stop" and self.tool_mode.kind != "named":
                 finish_reason = "tool_calls"
         return {"index": index, "message": message, "logprobs": self._logprobs(choice.logprobs, None),
                 "finish_reason": finish_reason, "stop_reason": choice.stop_reason}
@@ -199,7 +203,7 @@ class ChatFormatter(ResponseFormatter):
         if self._tool_streams is not None:
             stream = self._tool_streams[index]
             message = stream.delta(delta["text"], finish_reason is not None)
-            if stream.num_calls and finish_reason == "stop":
+            if stream.num_calls and finish_reason == "stop" and self.tool_mode.kind != "named":
                 finish_reason = "tool_calls"
         return {"index": index, "delta": message, "logprobs": self._logprobs(delta["logprobs"], None),
                 "finish_reason": finish_reason, "stop_reason": delta["stop_reason"]}

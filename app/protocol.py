@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 import re
 import time
+import typing
 import uuid
 from typing import Literal
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from app.tool_calls import ToolMode, tool_constraint
 from engine.errors import InvalidRequestError, excerpt
@@ -33,11 +34,41 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class StreamOptions(BaseModel):
+class RequestModel(BaseModel):
+    """A part of a request body, validated as OpenAI's API does rather than with pydantic's
+    lax coercion: a value keeps its JSON type (``"10"`` is not an integer, ``1`` not a
+    boolean, ``2.0`` not an integer; an integer is a number). ``null`` for a field whose type
+    has no ``null`` means the field's default (OpenAI's reference marks ``temperature``,
+    ``n``, ``stream``, ... nullable); a field whose type admits ``null`` keeps it
+    (``max_tokens: null``: as many as fit).
+
+    Raises:
+        pydantic.ValidationError: a value of another JSON type (the service's 400, naming
+            the field).
+    """
+
+    model_config = ConfigDict(strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        if not isinstance(data, dict):
+            return data
+        defaulted = {field.alias or name for name, field in cls.model_fields.items()
+                     if not field.is_required() and type(None) not in typing.get_args(field.annotation)}
+        return {key: value for key, value in data.items() if value is not None or key not in defaulted}
+
+
+class StreamOptions(RequestModel):
+    """OpenAI's ``stream_options``; another key (OpenAI's ``include_obfuscation``, vLLM's
+    ``continuous_usage_stats``) is a 400 naming it, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = Field(False, description="Send a last chunk with token usage.")
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(RequestModel):
     """OpenAI's ``response_format.json_schema``."""
 
     model_config = ConfigDict(populate_by_name=True)
@@ -49,14 +80,14 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = Field(None, description="Accepted; the schema is always enforced.")
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestModel):
     """OpenAI's ``response_format``: ``text``, ``json_object`` (JSON mode) or ``json_schema``."""
 
     type: Literal["text", "json_object", "json_schema"] = Field(description="The kind of output.")
     json_schema: JsonSchemaFormat | None = Field(None, description="For type json_schema.")
 
 
-class StructuredOutputsRequest(BaseModel):
+class StructuredOutputsRequest(RequestModel):
     """vLLM's ``structured_outputs`` body field: exactly one constraint (``SamplingParams``'
     ``StructuredOutputsParams``)."""
 
@@ -81,7 +112,7 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
                  "guided_grammar": "grammar"}
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestModel):
     """Fields shared by completions and chat completions. Fields not declared here land in
     ``model_extra``: ``app.request_fields`` says which of them the API defines (a 400 when
     set) and which no API defines (ignored)."""
@@ -208,13 +239,18 @@ class SamplingRequest(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+# Digits of a logit_bias key: a token id fits in 2**31 (any vocabulary), and a longer key would
+# reach Python's limit on int() of a long string (4,300 digits) with an error naming no field.
+MAX_TOKEN_ID_DIGITS = 10
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's token-id keys (decimal digits; not Python's int() syntax, which allows
     spaces and underscores) as ints."""
-    bad = [k for k in bias or {} if not re.fullmatch(r"-?[0-9]+", k)]
+    bad = [k for k in bias or {} if not re.fullmatch(r"-?[0-9]{1,%d}" % MAX_TOKEN_ID_DIGITS, k)]
     if bad:
-        raise InvalidRequestError(f"logit_bias keys must be token ids (integers); got "
-                                  f"{excerpt(bad[0])}", "logit_bias")
+        raise InvalidRequestError(f"logit_bias keys must be token ids (integers of at most "
+                                  f"{MAX_TOKEN_ID_DIGITS} digits); got {excerpt(bad[0])}", "logit_bias")
     return {int(k): v for k, v in (bias or {}).items()}
 
 
@@ -252,19 +288,19 @@ class CompletionRequest(SamplingRequest):
         return prompt
 
 
-class TextPart(BaseModel):
+class TextPart(RequestModel):
     """A content part; only text is served."""
 
     type: Literal["text"] = Field(description="Only 'text' parts are supported.")
     text: str = Field(description="The text.")
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(RequestModel):
     name: str = Field(description="The function called.")
     arguments: str = Field(description="Its arguments, as JSON text.")
 
 
-class ToolCall(BaseModel):
+class ToolCall(RequestModel):
     """A call an assistant message made (OpenAI's ``message.tool_calls[i]``)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -274,13 +310,15 @@ class ToolCall(BaseModel):
     function: FunctionCall = Field(description="The function and its arguments.")
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"] = Field(description="Author.")
     content: str | list[TextPart] | None = Field(None, description="Text, or text parts.")
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant message's calls.")
     tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
+    name: str | None = Field(None, description="The participant's name; the chat template "
+                             "gets it as the message's name (SmolLM2's does not print it).")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -294,26 +332,28 @@ class ChatMessage(BaseModel):
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
         return message
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(RequestModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="The function's name.")
     description: str | None = Field(None, description="What it does, for the model.")
     parameters: dict | None = Field(None, description="A JSON schema of its arguments (an object).")
     strict: bool | None = Field(None, description="Accepted; forced calls always follow the schema.")
 
 
-class ChatTool(BaseModel):
+class ChatTool(RequestModel):
     type: Literal["function"] = Field(description="Only functions.")
     function: FunctionDefinition = Field(description="The function.")
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(RequestModel):
     name: str = Field(description="The function to call.")
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(RequestModel):
     type: Literal["function"] = Field(description="Only functions.")
     function: NamedFunction = Field(description="The function the reply must call.")
 
@@ -334,7 +374,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = Field(None, description="Functions the model may call.")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="none, auto (the default with tools), required, or a named function.")
-    parallel_tool_calls: bool = Field(True, description="required: more than one call may be made.")
+    parallel_tool_calls: bool = Field(True, description="More than one call may be made (required, auto).")
 
     def tool_mode(self) -> ToolMode | None:
         """How the reply holds tool calls; ``None`` without tools or with ``none``.
@@ -354,7 +394,7 @@ class ChatCompletionRequest(SamplingRequest):
                 raise InvalidRequestError(f"tool_choice: function {excerpt(choice.function.name)} is not "
                                           f"among tools ({', '.join(names)})", "tool_choice")
             return ToolMode("named", choice.function.name)
-        return ToolMode(choice)
+        return ToolMode(choice, parallel=self.parallel_tool_calls)
 
     def check_tools(self) -> None:
         """Checks what ``tool_mode`` does not: every function name once, and every
@@ -399,6 +439,17 @@ class ChatCompletionRequest(SamplingRequest):
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling_params(self) -> SamplingParams:
+        """As ``SamplingRequest.sampling_params``; an error about the token limit names
+        ``max_completion_tokens`` where the request set that, not ``max_tokens``."""
+        try:
+            return super().sampling_params()
+        except InvalidRequestError as exc:
+            if self.max_completion_tokens is None or exc.param not in ("max_tokens", "min_tokens"):
+                raise
+            param = "max_completion_tokens" if exc.param == "max_tokens" else exc.param
+            raise InvalidRequestError(str(exc).replace("max_tokens", "max_completion_tokens"), param) from None
 
     def engine_prompt(self) -> dict:
         """The conversation with ``LLMEngine.chat_prompt``'s options."""

@@ -8,7 +8,9 @@ Three ways a reply holds calls (``ToolMode.kind``):
   {...}}``, each constrained by its function's schema, in xgrammar's JSON without free
   whitespace, so that a stream can be cut into calls as it arrives (``_CallArrayScanner``).
 - ``auto``: the reply is free text in which the model may write Hermes
-  ``<tool_call>{...}</tool_call>`` blocks (``engine.tool_calls.parse_tool_calls``).
+  ``<tool_call>{...}</tool_call>`` blocks (``engine.tool_calls.parse_tool_calls``); with
+  ``parallel_tool_calls`` false only the first block becomes a call (later ones are dropped,
+  neither calls nor content).
 
 Streamed calls follow OpenAI's chunk shape: the first chunk of a call carries ``index``,
 ``id``, ``type`` and ``function.name`` (with ``arguments`` so far), later ones
@@ -31,10 +33,12 @@ class ToolMode:
     Attributes:
         kind: ``named``, ``required`` or ``auto``.
         name: the function, for ``named``.
+        parallel: more than one call may be made (the request's ``parallel_tool_calls``).
     """
 
     kind: str
     name: str | None = None
+    parallel: bool = True
 
 
 def tool_constraint(functions: list[dict], mode: ToolMode, parallel_tool_calls: bool) -> dict | None:
@@ -82,7 +86,7 @@ def final_message(mode: ToolMode, text: str) -> dict:
         calls, content = [(c.name, c.arguments) for c in scanner.calls], None
     else:
         content, parsed = parse_tool_calls(text)
-        calls = [(c["name"], c["arguments"]) for c in parsed]
+        calls = [(c["name"], c["arguments"]) for c in parsed][:None if mode.parallel else 1]
     message = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [_call(name, arguments) for name, arguments in calls]
@@ -238,6 +242,8 @@ class ToolCallStream:
                 calls += [(c["name"], c["arguments"]) for c in parsed]
             else:
                 content.append(block)
+        if not self.mode.parallel:  # one call in all: what follows the first is dropped
+            calls = calls[:max(0, 1 - self.num_calls)]
         delta = {}
         if "".join(content):
             delta["content"] = "".join(content)

@@ -6,6 +6,7 @@ import requests
 from tests.app.conftest import MODEL
 
 LONG_PROMPT = "hello " * 9000  # > 8192 tokens
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
@@ -86,11 +87,25 @@ def _error_cases():
         ("bad chat role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
          400, "messages.0.role", None, "messages.0.role"),
         ("logit_bias key python would parse", "/v1/completions", {**ok, "logit_bias": {"1_0": 1}}, 400,
-         "logit_bias", None, "logit_bias keys must be token ids (integers); got '1_0'"),
+         "logit_bias", None, "logit_bias keys must be token ids (integers of at most 10 digits); got '1_0'"),
         ("token id out of range", "/v1/completions", {**ok, "prompt": [1, 2, 10**6]}, 400, "prompt", None,
          "prompt: token id 1000000 is outside the vocabulary [0, 49152)"),
         ("cache_salt not a string", "/v1/completions", {**ok, "cache_salt": 5}, 400, "cache_salt", None,
          "cache_salt: Input should be a valid string"),
+        # JSON types are kept, as OpenAI's API keeps them (no "10" -> 10, false -> 0)
+        ("max_tokens a string of digits", "/v1/completions", {**ok, "max_tokens": "10"}, 400, "max_tokens", None,
+         "max_tokens: Input should be a valid integer"),
+        ("logprobs false", "/v1/completions", {**ok, "logprobs": False}, 400, "logprobs", None,
+         "logprobs: Input should be a valid integer"),
+        ("chat logprobs 1", "/v1/chat/completions", {**CHAT, "logprobs": 1}, 400, "logprobs", None,
+         "logprobs: Input should be a valid boolean"),
+        ("stream_options key not served", "/v1/chat/completions",
+         {**CHAT, "stream_options": {"continuous_usage_stats": True}}, 400, "stream_options.continuous_usage_stats",
+         None, "stream_options.continuous_usage_stats: Extra inputs are not permitted"),
+        ("max_completion_tokens 0", "/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400,
+         "max_completion_tokens", None, "max_completion_tokens must be >= 1; got 0"),
+        ("logit_bias key of 5000 digits", "/v1/completions", {**ok, "logit_bias": {"9" * 5000: 1}}, 400,
+         "logit_bias", None, "logit_bias keys must be token ids (integers of at most 10 digits)"),
         ("empty cache_salt", "/v1/chat/completions",
          {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "cache_salt": ""}, 400, "cache_salt",
          None, "cache_salt must be a non-empty string; got ''"),
@@ -136,6 +151,16 @@ def test_unknown_route_and_method_get_the_envelope(api):
     assert response.status_code == 404 and response.json()["error"]["message"] == "Not Found"
     response = requests.get(api.url + "/v1/completions", timeout=10)
     assert response.status_code == 405 and "error" in response.json()
+
+
+def test_null_is_the_default_of_a_field_that_has_one(api):
+    # as OpenAI's API (clients that send every key send these): temperature null is 1, n 1, ...
+    nulls = dict.fromkeys(["temperature", "n", "top_p", "stream", "presence_penalty", "frequency_penalty",
+                           "logprobs", "top_logprobs", "parallel_tool_calls", "stream_options", "seed"])
+    response = requests.post(api.url + "/v1/chat/completions", timeout=60, json={**CHAT, **nulls})
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    assert choice["logprobs"] is None and choice["finish_reason"] in ("stop", "length")
 
 
 def test_a_normal_request_succeeds_after_the_bad_ones(api):

@@ -104,8 +104,9 @@ def test_tool_choice_required_and_named(client, stream):
     for tool_choice in ["required", {"type": "function", "function": {"name": "get_time"}}]:
         message, finish_reason = _chat(client, stream, tools=TOOLS, tool_choice=tool_choice, temperature=0,
                                        parallel_tool_calls=False)
-        assert finish_reason == "tool_calls" and message["content"] is None
-        assert message["tool_calls"], message
+        # a call forced by name ends with stop, as OpenAI's and vLLM's do
+        assert finish_reason == ("stop" if isinstance(tool_choice, dict) else "tool_calls")
+        assert message["content"] is None and message["tool_calls"], message
         for call in message["tool_calls"]:
             assert call["id"].startswith("call_")
             jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
@@ -162,6 +163,24 @@ def test_hermes_blocks_in_a_reply_become_tool_calls():
     # Not a call: stays content.
     assert final_message(ToolMode("auto"), "<tool_call>not json</tool_call>")["content"] == \
         "<tool_call>not json</tool_call>"
+
+
+def test_auto_without_parallel_tool_calls_keeps_the_first_call():
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "%s"}}\n</tool_call>'
+    text = "Checking." + call % "UTC" + " and " + call % "CET"
+    calls = [("get_time", '{"timezone": "UTC"}'), ("get_time", '{"timezone": "CET"}')]
+    for parallel, expected in ((True, calls), (False, calls[:1])):
+        mode = ToolMode("auto", parallel=parallel)
+        message = final_message(mode, text)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == expected
+        assert message["content"] == "Checking. and "
+        for size in (1, 7, len(text)):
+            stream = ToolCallStream(mode)
+            deltas = [stream.delta(text[i:i + size], i + size >= len(text)) for i in range(0, len(text), size)]
+            streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+            assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in streamed] == \
+                [(i, name, arguments) for i, (name, arguments) in enumerate(expected)]
+            assert "".join(d.get("content", "") for d in deltas) == "Checking. and "
 
 
 def test_required_calls_are_cut_from_the_stream_as_they_arrive():

@@ -1,0 +1,154 @@
+"""Request bodies are validated as OpenAI's API does (``app.protocol.RequestModel``): a value
+keeps its JSON type, ``null`` is a non-nullable field's default, and errors name the field the
+client sent. The formatters' shapes that follow OpenAI where vLLM's docs are silent. No
+service: the models and formatters in-process (tests/app/test_errors.py sends the same
+mistakes over HTTP)."""
+import pydantic
+import pytest
+
+from app.openai_format import ChatFormatter, ResponseFormatter
+from app.protocol import ChatCompletionRequest, CompletionRequest
+from app.records import LogprobEntry
+from app.tool_calls import ToolMode
+from engine.errors import InvalidRequestError
+
+MODEL = "smollm2-135m-instruct"
+COMPLETION = {"model": MODEL, "prompt": "Hi"}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def _error(model, body) -> tuple[tuple, str]:
+    with pytest.raises(pydantic.ValidationError) as info:
+        model.model_validate(body)
+    deepest = max(info.value.errors(), key=lambda e: len(e["loc"]))  # the one the 400 reports (app.errors)
+    return deepest["loc"], deepest["msg"]
+
+
+@pytest.mark.parametrize(("field", "value", "msg"), [
+    ("max_tokens", "10", "Input should be a valid integer"),
+    ("n", 2.0, "Input should be a valid integer"),
+    ("n", True, "Input should be a valid integer"),
+    ("temperature", "0.5", "Input should be a valid number"),
+    ("temperature", True, "Input should be a valid number"),
+    ("stream", "yes", "Input should be a valid boolean"),
+    ("stream", 1, "Input should be a valid boolean"),
+    ("echo", 0, "Input should be a valid boolean"),
+    # before: false became logprobs 0, a logprobs object nobody asked for
+    ("logprobs", False, "Input should be a valid integer"),
+    ("seed", "7", "Input should be a valid integer"),
+    ("stop", 5, "Input should be a valid string"),
+])
+def test_completion_values_keep_their_json_type(field, value, msg):
+    loc, message = _error(CompletionRequest, {**COMPLETION, field: value})
+    assert (loc[0], message) == (field, msg)
+
+
+@pytest.mark.parametrize(("body", "loc", "msg"), [
+    ({"logprobs": 1}, ("logprobs",), "Input should be a valid boolean"),
+    ({"parallel_tool_calls": "false"}, ("parallel_tool_calls",), "Input should be a valid boolean"),
+    ({"logit_bias": {"42": "5"}}, ("logit_bias", "42"), "Input should be a valid number"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, ("stream_options", "include_usage"),
+     "Input should be a valid boolean"),
+    # a key OpenAI (include_obfuscation) or vLLM (continuous_usage_stats) defines: refused, not ignored
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     ("stream_options", "continuous_usage_stats"), "Extra inputs are not permitted"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     ("messages", 0, "content", "list[TextPart]", 0, "text"), "Input should be a valid string"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+     ("tools", 0, "function", "strict"), "Input should be a valid boolean"),
+])
+def test_chat_values_keep_their_json_type_in_nested_objects_too(body, loc, msg):
+    assert _error(ChatCompletionRequest, {**CHAT, **body}) == (loc, msg)
+
+
+def test_an_integer_is_a_number():
+    request = CompletionRequest.model_validate({**COMPLETION, "temperature": 1, "top_p": 1, "logit_bias": {"7": 2}})
+    assert (request.temperature, request.top_p, request.sampling_params().logit_bias) == (1.0, 1.0, {7: 2.0})
+
+
+def test_null_is_the_default_unless_the_field_takes_null():
+    nulls = dict.fromkeys(["n", "temperature", "top_p", "stream", "presence_penalty", "frequency_penalty",
+                           "echo", "top_k", "ignore_eos", "max_tokens", "logprobs", "stop", "seed"])
+    request = CompletionRequest.model_validate({**COMPLETION, **nulls})
+    assert (request.n, request.temperature, request.top_p, request.stream, request.echo, request.top_k) == \
+        (1, 1.0, 1.0, False, False, -1)
+    # max_tokens: null is "as many as fit" (the default is 16), logprobs: null is none
+    assert (request.max_tokens, request.logprobs, request.stop, request.seed) == (None, None, None, None)
+    assert request.sampling_params().max_tokens is None
+    chat = ChatCompletionRequest.model_validate({**CHAT, "logprobs": None, "parallel_tool_calls": None,
+                                                 "stream_options": None, "tool_choice": None})
+    assert (chat.logprobs, chat.parallel_tool_calls, chat.stream_options, chat.num_logprobs()) == \
+        (False, True, None, None)
+
+
+def test_a_messages_name_reaches_the_chat_template():
+    # (an assistant message as the openai client hands it back carries refusal: null: ignored)
+    messages = [{"role": "user", "content": "Hi", "name": "ada"},
+                {"role": "assistant", "content": "Hello", "refusal": None}]
+    request = ChatCompletionRequest.model_validate({**CHAT, "messages": messages})
+    assert request.engine_prompt()["messages"] == [{"role": "user", "content": "Hi", "name": "ada"},
+                                                   {"role": "assistant", "content": "Hello"}]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1; got 0"),
+    ({"max_completion_tokens": 4, "min_tokens": 5}, "min_tokens",
+     "min_tokens must be >= 0 and <= max_completion_tokens (4); got 5"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1; got 0"),
+])
+def test_token_limit_errors_name_the_field_the_client_sent(body, param, message):
+    with pytest.raises(InvalidRequestError) as error:
+        ChatCompletionRequest.model_validate({**CHAT, **body}).sampling_params()
+    assert (error.value.param, str(error.value)) == (param, message)
+
+
+def test_a_logit_bias_key_too_long_for_a_token_id_names_the_field():
+    # 5,000 digits: int() of it raises Python's own digit-limit error, which named no field
+    request = CompletionRequest.model_validate({**COMPLETION, "logit_bias": {"9" * 5000: 1}})
+    with pytest.raises(InvalidRequestError) as error:
+        request.sampling_params()
+    assert error.value.param == "logit_bias"
+    assert str(error.value).startswith("logit_bias keys must be token ids (integers of at most 10 digits); got '999")
+    assert CompletionRequest.model_validate({**COMPLETION, "logit_bias": {"49151": 1}}).sampling_params().logit_bias \
+        == {49151: 1.0}
+
+
+def _entry(token_id: int, logprob: float, rank: int) -> LogprobEntry:
+    return LogprobEntry(token_id, logprob, rank, f"t{token_id}", f"t{token_id}".encode())
+
+
+def _output(logprobs: list[list[LogprobEntry]], text: str = "x", finish_reason: str | None = "length") -> dict:
+    return {"replica_id": "r", "num_prompt_tokens": 1, "num_cached_tokens": 0, "finished": True, "error": None,
+            "outputs": [{"index": 0, "text": text, "token_ids": [e[0].token_id for e in logprobs],
+                         "finish_reason": finish_reason, "stop_reason": None, "logprobs": logprobs}]}
+
+
+def test_legacy_top_logprobs_always_hold_the_sampled_token():
+    # A sampled token of rank 3 with logprobs 1 and 0 (OpenAI: "up to logprobs+1 elements").
+    entries = [[_entry(5, -2.5, 3), _entry(1, -0.2, 1), _entry(2, -1.9, 2)]]
+    for num_logprobs, expected in ((2, {"t1": -0.2, "t2": -1.9, "t5": -2.5}), (1, {"t1": -0.2, "t5": -2.5}),
+                                   (0, {"t5": -2.5})):
+        formatter = ResponseFormatter(MODEL, 1, num_logprobs, False)
+        formatter.add(_output(entries))
+        logprobs = formatter.response()["choices"][0]["logprobs"]
+        assert (logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]) == \
+            (["t5"], [-2.5], [expected])
+    # The chat shape keeps exactly top_logprobs alternatives, as OpenAI's does.
+    chat = ChatFormatter(MODEL, 1, 1, False)
+    chat.add(_output(entries))
+    content = chat.response()["choices"][0]["logprobs"]["content"]
+    assert [t["token"] for t in content[0]["top_logprobs"]] == ["t1"]
+
+
+@pytest.mark.parametrize(("mode", "finish_reason"), [(ToolMode("named", "f"), "stop"),
+                                                     (ToolMode("required"), "tool_calls")])
+def test_a_call_forced_by_name_finishes_with_stop(mode, finish_reason):
+    text = '{"x": 1}' if mode.kind == "named" else '[{"name": "f", "parameters": {"x": 1}}]'
+    whole = ChatFormatter(MODEL, 1, None, False, mode)
+    whole.add(_output([], text, "stop"))
+    choice = whole.response()["choices"][0]
+    assert (choice["finish_reason"], choice["message"]["tool_calls"][0]["function"]["arguments"]) == \
+        (finish_reason, '{"x": 1}')
+    streamed = ChatFormatter(MODEL, 1, None, False, mode)
+    (chunk,) = streamed.chunks(_output([], text, "stop"), first=False)
+    assert f'"finish_reason": "{finish_reason}"' in chunk
