@@ -118,8 +118,23 @@ class OpenAIIngress:
 
     @fastapi_app.get("/v1/models")
     async def models(self):
-        return {"object": "list", "data": [{"id": self.config.model_name, "object": "model",
-                                            "created": now(), "owned_by": "mini-infer"}]}
+        """OpenAI's model list: the one served model."""
+        return {"object": "list", "data": [self._model_card()]}
+
+    @fastapi_app.get("/v1/models/{model:path}")
+    async def model(self, model: str):
+        """OpenAI's retrieve-model (``client.models.retrieve``): the served model's card; 404
+        ``model_not_found`` for any other name."""
+        if model != self.config.model_name:
+            raise self._model_not_found(model)
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.config.model_name, "object": "model", "created": now(), "owned_by": "mini-infer"}
+
+    def _model_not_found(self, model: str) -> OpenAIError:
+        return OpenAIError(404, f"model {excerpt(model)} does not exist; this server serves "
+                           f"{self.config.model_name!r}", param="model", code="model_not_found")
 
     # ---- operations ----------------------------------------------------------------------
 
@@ -218,8 +233,7 @@ class OpenAIIngress:
         """404 for another model; 400 for a field the API defines that is not honoured here
         (``app.request_fields``)."""
         if body.model != self.config.model_name:
-            raise OpenAIError(404, f"model {excerpt(body.model)} does not exist; this server serves "
-                              f"{self.config.model_name!r}", param="model", code="model_not_found")
+            raise self._model_not_found(body.model)
         field = unsupported_field(endpoint, body.model_extra or {})
         if field is not None:
             note = f" ({field.note})" if field.note else ""

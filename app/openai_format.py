@@ -112,8 +112,12 @@ class ResponseFormatter:
                 "choices": [self._full_choice(i, c) for i, c in enumerate(self.choices)]}
 
     def chunks(self, output: EngineOutput, first: bool) -> list[str]:
-        """SSE lines for one engine output."""
-        return [self._sse([self._delta_choice(index, delta)]) for index, delta in self.add(output)]
+        """SSE lines for one engine output (none for a choice whose delta carries nothing)."""
+        choices = [self._delta_choice(index, delta) for index, delta in self.add(output)]
+        return [self._sse([choice]) for choice in choices if self._carries_something(choice)]
+
+    def _carries_something(self, choice: dict) -> bool:
+        return True
 
     def final_chunks(self) -> list[str]:
         usage = [self._sse([], usage=self.usage())] if self.include_usage else []
@@ -197,6 +201,11 @@ class ChatFormatter(ResponseFormatter):
                 finish_reason = "tool_calls"
         return {"index": index, "message": message, "logprobs": self._logprobs(choice.logprobs, None),
                 "finish_reason": finish_reason, "stop_reason": choice.stop_reason}
+
+    def _carries_something(self, choice: dict) -> bool:
+        """False for an empty ``delta`` (tool calls' text held back until a call's name is
+        known) with no logprobs and no finish: OpenAI sends no such chunk."""
+        return bool(choice["delta"]) or choice["finish_reason"] is not None or choice["logprobs"] is not None
 
     def _delta_choice(self, index: int, delta: CompletionDelta) -> dict:
         message, finish_reason = {"content": delta["text"]}, delta["finish_reason"]

@@ -93,6 +93,7 @@ def pytest_approx(value):
 
 def test_models_health_and_readiness(api, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
     assert requests.get(api.url + "/health", timeout=10).json() == {"status": "ok"}
     assert requests.get(api.url + "/ready", timeout=60).json() == {"status": "ready"}
     replicas = requests.get(api.url + "/stats", timeout=10).json()["replicas"]

@@ -151,6 +151,10 @@ def test_unknown_route_and_method_get_the_envelope(api):
     assert response.status_code == 404 and response.json()["error"]["message"] == "Not Found"
     response = requests.get(api.url + "/v1/completions", timeout=10)
     assert response.status_code == 405 and "error" in response.json()
+    response = requests.get(api.url + "/v1/models/gpt-7", timeout=10)  # OpenAI's retrieve-model
+    assert response.status_code == 404 and response.json()["error"] == {
+        "message": f"model 'gpt-7' does not exist; this server serves '{MODEL}'", "type": "not_found_error",
+        "param": "model", "code": "model_not_found"}
 
 
 def test_null_is_the_default_of_a_field_that_has_one(api):

@@ -10,8 +10,8 @@ def test_every_get_endpoint_answers_head_with_an_empty_body(api):
     """Every GET route the service's OpenAPI schema lists, and the schema and docs pages."""
     schema = requests.get(api.url + "/openapi.json", timeout=30).json()
     paths = sorted(p for p, methods in schema["paths"].items() if "get" in methods)
-    assert {"/health", "/ready", "/v1/models", "/stats", "/metrics"} <= set(paths)
-    for path in paths + ["/openapi.json", "/docs"]:
+    assert {"/health", "/ready", "/v1/models", "/v1/models/{model}", "/stats", "/metrics"} <= set(paths)
+    for path in [p.replace("{model}", MODEL) for p in paths] + ["/openapi.json", "/docs"]:
         get = requests.get(api.url + path, timeout=60)
         head = requests.head(api.url + path, timeout=60)
         assert (path, get.status_code, head.status_code) == (path, 200, 200), (get.text, head.text)

@@ -152,3 +152,19 @@ def test_a_call_forced_by_name_finishes_with_stop(mode, finish_reason):
     streamed = ChatFormatter(MODEL, 1, None, False, mode)
     (chunk,) = streamed.chunks(_output([], text, "stop"), first=False)
     assert f'"finish_reason": "{finish_reason}"' in chunk
+
+
+def test_a_streamed_reply_sends_no_chunk_with_nothing_in_it():
+    # required's text is held back until a call's name is known: no chunk of "delta": {} meanwhile
+    head, rest = '[{"na', 'me": "f", "parameters": {"x": 1}}]'
+    formatter = ChatFormatter(MODEL, 1, None, False, ToolMode("required"))
+    assert formatter.chunks(_output([], head, None), first=False) == []
+    (chunk,) = formatter.chunks(_output([], rest, "stop"), first=False)
+    assert '"name": "f"' in chunk and '"finish_reason": "tool_calls"' in chunk
+    # with logprobs asked for, the held-back token's logprobs still go out
+    with_logprobs = ChatFormatter(MODEL, 1, 0, False, ToolMode("required"))
+    (chunk,) = with_logprobs.chunks(_output([[_entry(5, -0.1, 1)]], head, None), first=False)
+    assert '"delta": {}' in chunk and '"logprob": -0.1' in chunk
+    # plain text: an empty content delta is still sent, as before (the role chunk comes first)
+    plain = ChatFormatter(MODEL, 1, None, False)
+    assert len(plain.chunks(_output([], "", None), first=True)) == 2
