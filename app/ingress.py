@@ -230,10 +230,11 @@ class OpenAIIngress:
         return {"status": "ready"}
 
     def _check(self, body: SamplingRequest, endpoint: Endpoint) -> None:
-        """404 for another model; 400 for a field the API defines that is not honoured here
-        (``app.request_fields``)."""
+        """404 for another model; 400 for a field nested too deep (``check_nesting``) or one
+        the API defines that is not honoured here (``app.request_fields``)."""
         if body.model != self.config.model_name:
             raise self._model_not_found(body.model)
+        body.check_nesting()
         field = unsupported_field(endpoint, body.model_extra or {})
         if field is not None:
             note = f" ({field.note})" if field.note else ""

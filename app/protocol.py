@@ -234,9 +234,50 @@ class SamplingRequest(RequestModel):
             return message, param
         return (source + message[len(param):] if message.startswith(param) else message), source
 
+    def check_nesting(self) -> None:
+        """Checks that no field nests objects and arrays deeper than ``MAX_JSON_DEPTH``.
+
+        Raises:
+            InvalidRequestError: naming the top-level field that does.
+        """
+        fields = [(name, getattr(self, name)) for name in type(self).model_fields]
+        for name, value in fields + list((self.model_extra or {}).items()):
+            field = type(self).model_fields.get(name)
+            depth = json_depth(value, MAX_JSON_DEPTH)
+            if depth > MAX_JSON_DEPTH:
+                param = field.alias or name if field is not None else name
+                raise InvalidRequestError(f"{param}: nests objects and arrays more than {MAX_JSON_DEPTH} "
+                                          "levels deep", param)
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+# Levels of objects and arrays one request field may nest: far more than a real JSON schema or
+# conversation takes. Deeper ones failed as 500s: jsonschema's schema check ran out of Python's
+# recursion at ~200 levels (a tool's parameters) and Ray's pickling on the way to the engine at
+# ~500 (a structured_outputs schema).
+MAX_JSON_DEPTH = 128
+
+
+def json_depth(value, limit: int) -> int:
+    """Levels of dicts, lists and request models in ``value`` (0 for a scalar), counted
+    without recursion and up to ``limit + 1`` at most."""
+    deepest, stack = 0, [(value, 0)]
+    while stack and deepest <= limit:
+        item, depth = stack.pop()
+        if isinstance(item, BaseModel):
+            item = dict(item)
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 # Digits of a logit_bias key: a token id fits in 2**31 (any vocabulary), and a longer key would

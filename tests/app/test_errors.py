@@ -11,6 +11,13 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
+def _nested_objects(depth: int) -> dict:
+    schema: dict = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 def _error_cases():
     ok = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
     # (name, path, body or raw text, status, param, code, message fragment)
@@ -104,6 +111,11 @@ def _error_cases():
          None, "stream_options.continuous_usage_stats: Extra inputs are not permitted"),
         ("max_completion_tokens 0", "/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400,
          "max_completion_tokens", None, "max_completion_tokens must be >= 1; got 0"),
+        # a deeper one was a 500 (jsonschema's recursion; Ray's pickling)
+        ("tool parameters nested 100 objects deep", "/v1/chat/completions",
+         {**CHAT, "tool_choice": "none", "tools": [{"type": "function", "function": {"name": "f", "parameters":
+                                                                                      _nested_objects(100)}}]},
+         400, "tools", None, "tools: nests objects and arrays more than 128 levels deep"),
         ("logit_bias key of 5000 digits", "/v1/completions", {**ok, "logit_bias": {"9" * 5000: 1}}, 400,
          "logit_bias", None, "logit_bias keys must be token ids (integers of at most 10 digits)"),
         ("empty cache_salt", "/v1/chat/completions",

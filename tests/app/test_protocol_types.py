@@ -7,7 +7,7 @@ import pydantic
 import pytest
 
 from app.openai_format import ChatFormatter, ResponseFormatter
-from app.protocol import ChatCompletionRequest, CompletionRequest
+from app.protocol import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest, json_depth
 from app.records import LogprobEntry
 from app.tool_calls import ToolMode
 from engine.errors import InvalidRequestError
@@ -168,3 +168,34 @@ def test_a_streamed_reply_sends_no_chunk_with_nothing_in_it():
     # plain text: an empty content delta is still sent, as before (the role chunk comes first)
     plain = ChatFormatter(MODEL, 1, None, False)
     assert len(plain.chunks(_output([], "", None), first=True)) == 2
+
+
+def _objects(depth: int) -> dict:
+    """A JSON schema of ``depth`` nested objects: 2 * depth + 1 levels of dicts."""
+    schema: dict = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_a_field_nested_deeper_than_the_limit_is_refused_by_name():
+    # 100 nested objects in a tool's parameters ran jsonschema out of recursion (a 500), 600
+    # nested arrays in structured_outputs broke Ray's pickling (a 500)
+    deep_arrays = {}
+    for _ in range(600):
+        deep_arrays = {"type": "array", "items": deep_arrays}
+    tool = {"type": "function", "function": {"name": "f", "parameters": _objects(100)}}
+    for body, param in (({"tools": [tool], "tool_choice": "none"}, "tools"),
+                        ({"structured_outputs": {"json": deep_arrays}}, "structured_outputs"),
+                        ({"guided_json": deep_arrays}, "guided_json"),
+                        ({"metadata": deep_arrays}, "metadata")):  # a field no model declares
+        request = ChatCompletionRequest.model_validate({**CHAT, **body})
+        with pytest.raises(InvalidRequestError) as error:
+            request.check_nesting()
+        assert (error.value.param, str(error.value)) == \
+            (param, f"{param}: nests objects and arrays more than {MAX_JSON_DEPTH} levels deep")
+    # as deep as the limit allows: accepted (tools list, tool, function, then the schema's levels)
+    fits = {"type": "function", "function": {"name": "f", "parameters": _objects((MAX_JSON_DEPTH - 4) // 2)}}
+    ChatCompletionRequest.model_validate({**CHAT, "tools": [fits]}).check_nesting()
+    assert json_depth([fits], 10**6) == MAX_JSON_DEPTH  # 1 + 1 + 1 + 2 * 62 + 1
+    assert (json_depth(5, 3), json_depth([], 3), json_depth([[[[1]]]], 2)) == (0, 1, 3)
