@@ -29,3 +29,11 @@ def tokenizer():
     from engine.loader import load_model
 
     return load_model(MODEL, load_weights=False).tokenizer
+
+
+def nested_objects(depth: int) -> dict:
+    """A JSON schema of ``depth`` nested objects: 2 * depth + 1 levels of dicts."""
+    schema: dict = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema

@@ -3,19 +3,12 @@ any SSE header; a normal request succeeds afterwards."""
 import pytest
 import requests
 
-from tests.app.conftest import MODEL
+from tests.app.conftest import MODEL, nested_objects
 
 LONG_PROMPT = "hello " * 9000  # > 8192 tokens
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-
-
-def _nested_objects(depth: int) -> dict:
-    schema: dict = {"type": "object"}
-    for _ in range(depth):
-        schema = {"type": "object", "properties": {"a": schema}}
-    return schema
 
 
 def _error_cases():
@@ -114,7 +107,7 @@ def _error_cases():
         # a deeper one was a 500 (jsonschema's recursion; Ray's pickling)
         ("tool parameters nested 100 objects deep", "/v1/chat/completions",
          {**CHAT, "tool_choice": "none", "tools": [{"type": "function", "function": {"name": "f", "parameters":
-                                                                                      _nested_objects(100)}}]},
+                                                                                      nested_objects(100)}}]},
          400, "tools", None, "tools: nests objects and arrays more than 128 levels deep"),
         ("logit_bias key of 5000 digits", "/v1/completions", {**ok, "logit_bias": {"9" * 5000: 1}}, 400,
          "logit_bias", None, "logit_bias keys must be token ids (integers of at most 10 digits)"),

@@ -11,6 +11,7 @@ from app.protocol import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionReques
 from app.records import LogprobEntry
 from app.tool_calls import ToolMode
 from engine.errors import InvalidRequestError
+from tests.app.conftest import nested_objects
 
 MODEL = "smollm2-135m-instruct"
 COMPLETION = {"model": MODEL, "prompt": "Hi"}
@@ -170,21 +171,13 @@ def test_a_streamed_reply_sends_no_chunk_with_nothing_in_it():
     assert len(plain.chunks(_output([], "", None), first=True)) == 2
 
 
-def _objects(depth: int) -> dict:
-    """A JSON schema of ``depth`` nested objects: 2 * depth + 1 levels of dicts."""
-    schema: dict = {"type": "object"}
-    for _ in range(depth):
-        schema = {"type": "object", "properties": {"a": schema}}
-    return schema
-
-
 def test_a_field_nested_deeper_than_the_limit_is_refused_by_name():
     # 100 nested objects in a tool's parameters ran jsonschema out of recursion (a 500), 600
     # nested arrays in structured_outputs broke Ray's pickling (a 500)
     deep_arrays = {}
     for _ in range(600):
         deep_arrays = {"type": "array", "items": deep_arrays}
-    tool = {"type": "function", "function": {"name": "f", "parameters": _objects(100)}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": nested_objects(100)}}
     for body, param in (({"tools": [tool], "tool_choice": "none"}, "tools"),
                         ({"structured_outputs": {"json": deep_arrays}}, "structured_outputs"),
                         ({"guided_json": deep_arrays}, "guided_json"),
@@ -195,7 +188,7 @@ def test_a_field_nested_deeper_than_the_limit_is_refused_by_name():
         assert (error.value.param, str(error.value)) == \
             (param, f"{param}: nests objects and arrays more than {MAX_JSON_DEPTH} levels deep")
     # as deep as the limit allows: accepted (tools list, tool, function, then the schema's levels)
-    fits = {"type": "function", "function": {"name": "f", "parameters": _objects((MAX_JSON_DEPTH - 4) // 2)}}
+    fits = {"type": "function", "function": {"name": "f", "parameters": nested_objects((MAX_JSON_DEPTH - 4) // 2)}}
     ChatCompletionRequest.model_validate({**CHAT, "tools": [fits]}).check_nesting()
     assert json_depth([fits], 10**6) == MAX_JSON_DEPTH  # 1 + 1 + 1 + 2 * 62 + 1
     assert (json_depth(5, 3), json_depth([], 3), json_depth([[[[1]]]], 2)) == (0, 1, 3)
