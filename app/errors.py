@@ -8,6 +8,7 @@ request is handled."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 
@@ -18,7 +19,7 @@ from ray.exceptions import RayActorError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.protocol import ErrorInfo, ErrorResponse
+from app.protocol import MAX_JSON_DEPTH, ErrorInfo, ErrorResponse, RequestModel
 from engine.errors import ContextLengthExceededError, EngineDeadError, EngineOverloadedError, InvalidRequestError
 
 logger = logging.getLogger("ray.serve")
@@ -90,7 +91,15 @@ def from_exception(exc: BaseException) -> OpenAIError:
 
 
 def from_http_exception(exc: StarletteHTTPException) -> OpenAIError:
-    """Starlette's and FastAPI's HTTP errors (404, 405, the guard's 408 and 413)."""
+    """Starlette's and FastAPI's HTTP errors (404, 405, the guard's 408 and 413, and FastAPI's
+    400 for a body Python's ``json`` cannot read although it is JSON)."""
+    if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
+        return OpenAIError(400, "the body could not be parsed: its JSON nests arrays and objects too deeply "
+                           f"(a request field may nest {MAX_JSON_DEPTH} levels)")
+    if exc.status_code == 400 and isinstance(exc.__cause__, ValueError):
+        # e.g. "Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits"
+        reason = str(exc.__cause__).split("; use sys.set_int_max_str_digits", 1)[0]
+        return OpenAIError(400, f"the body could not be parsed as JSON: {reason}")
     return OpenAIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code))
 
 
@@ -134,7 +143,7 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     message = first.get("msg", "invalid request")
     members = _union_members(errors, first)
     if members:  # the value matched no member of a union: say what each would have been
-        kinds = [_describe_type(tag) for tag in members]
+        kinds = [kind for tag in members for kind in _describe_member(tag)]
         listed = ", ".join(kinds[:-1]) + " or " + kinds[-1]
         return OpenAIError(400, f"{param}: must be {listed}; got {_json_kind(first.get('input'))}", param)
     if first.get("type") == "missing":
@@ -164,6 +173,16 @@ _TYPE_NAMES = {"str": ("a string", "strings"), "int": ("an integer", "integers")
                "bool": ("a boolean", "booleans"), "dict": ("an object", "objects")}
 
 
+def _describe_member(tag: str) -> list[str]:
+    """A union member's tag as the values it takes, in JSON's words: ``literal['a','b']`` ->
+    ``["'a'", "'b'"]``, a request model -> ``["an object"]``, else ``_describe_type``."""
+    if tag.startswith("literal[") and tag.endswith("]"):
+        return [choice.strip() for choice in tag[len("literal["):-1].split(",")]
+    if tag in _request_model_names():
+        return ["an object"]
+    return [_describe_type(tag)]
+
+
 def _describe_type(tag: str, plural: bool = False) -> str:
     """A union tag in JSON's words: ``list[list[int]]`` -> "an array of arrays of integers"."""
     if tag.startswith("list[") and tag.endswith("]"):
@@ -184,8 +203,21 @@ def _json_kind(value) -> str:
 
 
 def _is_union_tag(part) -> bool:
-    """pydantic names the member of a union in the error location (``str``, ``list[TextPart]``)."""
-    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict"})
+    """pydantic names the member of a union in the error location (``str``, ``list[TextPart]``,
+    ``NamedToolChoice``: a request model's class name)."""
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict"}
+                                      or part in _request_model_names())
+
+
+@functools.cache
+def _request_model_names() -> frozenset[str]:
+    """The class names of ``app.protocol.RequestModel`` and its subclasses, at any depth."""
+    names, pending = set(), [RequestModel]
+    while pending:
+        model = pending.pop()
+        names.add(model.__name__)
+        pending.extend(model.__subclasses__())
+    return frozenset(names)
 
 
 def log_error(request: Request, error: OpenAIError, exc: BaseException | None = None) -> None:

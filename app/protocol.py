@@ -10,7 +10,7 @@ import uuid
 from typing import Literal
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from app.tool_calls import ToolMode, tool_constraint
 from engine.errors import InvalidRequestError, excerpt
@@ -69,9 +69,10 @@ class StreamOptions(RequestModel):
 
 
 class JsonSchemaFormat(RequestModel):
-    """OpenAI's ``response_format.json_schema``."""
+    """OpenAI's ``response_format.json_schema``; another key (``schema_`` or a misspelt
+    ``schema``) is a 400 naming it, not a schema silently left out."""
 
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(extra="forbid")
 
     name: str = Field(description="The schema's name (not used for decoding).")
     description: str | None = Field(None, description="What the format is for (not used for decoding).")
@@ -81,10 +82,25 @@ class JsonSchemaFormat(RequestModel):
 
 
 class ResponseFormat(RequestModel):
-    """OpenAI's ``response_format``: ``text``, ``json_object`` (JSON mode) or ``json_schema``."""
+    """OpenAI's ``response_format``: ``text``, ``json_object`` (JSON mode) or ``json_schema``.
+    Another key, or ``json_schema`` with another type, is a 400 (OpenAI's too), not ignored.
+
+    Raises:
+        pydantic.ValidationError: ``json_schema`` given with type ``text`` or ``json_object``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"] = Field(description="The kind of output.")
-    json_schema: JsonSchemaFormat | None = Field(None, description="For type json_schema.")
+    json_schema: JsonSchemaFormat | None = Field(None, description="For type json_schema only.")
+
+    @field_validator("json_schema")
+    @classmethod
+    def _only_for_its_type(cls, value, info):
+        kind = info.data.get("type")
+        if value is not None and kind is not None and kind != "json_schema":
+            raise ValueError(f"only type json_schema takes a json_schema; type is {kind}")
+        return value
 
 
 class StructuredOutputsRequest(RequestModel):
@@ -330,7 +346,9 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(RequestModel):
-    """A content part; only text is served."""
+    """A content part; only text is served. Another key is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"] = Field(description="Only 'text' parts are supported.")
     text: str = Field(description="The text.")
@@ -352,14 +370,32 @@ class ToolCall(RequestModel):
 
 
 class ChatMessage(RequestModel):
+    """One message of ``messages``. Keys OpenAI's client hands back in an assistant message
+    it received (``refusal``, ``annotations``, ``audio``, ...) are ignored.
+
+    Raises:
+        pydantic.ValidationError: ``content`` missing or null in a message other than an
+            assistant's (OpenAI's rule; a misspelt ``contents`` is caught by it).
+    """
+
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"] = Field(description="Author.")
-    content: str | list[TextPart] | None = Field(None, description="Text, or text parts.")
+    content: str | list[TextPart] | None = Field(None, validate_default=True, description="Text, or "
+                                                 "text parts; only an assistant's may be left out.")
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant message's calls.")
     tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
     name: str | None = Field(None, description="The participant's name; the chat template "
                              "gets it as the message's name (SmolLM2's does not print it).")
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, value, info):
+        role = info.data.get("role")
+        if value is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message needs content (a string or text parts); only an "
+                             "assistant's may be null or left out")
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -379,6 +415,10 @@ class ChatMessage(RequestModel):
 
 
 class FunctionDefinition(RequestModel):
+    """A tool's function; another key (a misspelt ``parameters``) is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid")
+
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="The function's name.")
     description: str | None = Field(None, description="What it does, for the model.")
     parameters: dict | None = Field(None, description="A JSON schema of its arguments (an object).")
@@ -386,15 +426,21 @@ class FunctionDefinition(RequestModel):
 
 
 class ChatTool(RequestModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["function"] = Field(description="Only functions.")
     function: FunctionDefinition = Field(description="The function.")
 
 
 class NamedFunction(RequestModel):
+    model_config = ConfigDict(extra="forbid")
+
     name: str = Field(description="The function to call.")
 
 
 class NamedToolChoice(RequestModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["function"] = Field(description="Only functions.")
     function: NamedFunction = Field(description="The function the reply must call.")
 

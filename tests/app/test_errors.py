@@ -111,6 +111,31 @@ def _error_cases():
          400, "tools", None, "tools: nests objects and arrays more than 128 levels deep"),
         ("logit_bias key of 5000 digits", "/v1/completions", {**ok, "logit_bias": {"9" * 5000: 1}}, 400,
          "logit_bias", None, "logit_bias keys must be token ids (integers of at most 10 digits)"),
+        # unknown keys in nested objects were ignored: a misspelt key answered an empty message
+        # or left a call unconstrained (200s)
+        ("misspelt content", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "contents": "Hi"}]},
+         400, "messages.0.content", None, "messages.0.content: a user message needs content (a string or text "
+         "parts); only an assistant's may be null or left out"),
+        ("misspelt parameters", "/v1/chat/completions",
+         {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "paramters": {}}}]}, 400,
+         "tools.0.function.paramters", None, "tools.0.function.paramters: Extra inputs are not permitted"),
+        ("json_schema under type text", "/v1/chat/completions",
+         {**CHAT, "response_format": {"type": "text", "json_schema": {"name": "a", "schema": {"type": "object"}}}},
+         400, "response_format.json_schema", None,
+         "response_format.json_schema: only type json_schema takes a json_schema; type is text"),
+        ("tool_choice function null", "/v1/chat/completions",
+         {**CHAT, "tools": [WEATHER], "tool_choice": {"type": "function", "function": None}}, 400,
+         "tool_choice.function", None, "tool_choice.function: Input should be a valid dictionary"),
+        ("tool_choice a number", "/v1/chat/completions", {**CHAT, "tools": [WEATHER], "tool_choice": 5}, 400,
+         "tool_choice", None, "tool_choice: must be 'none', 'auto', 'required' or an object; got a number"),
+        # Python's json refuses these although they are JSON: FastAPI said only "There was an error parsing the body"
+        ("an integer of 5000 digits", "/v1/completions",
+         '{"model": "%s", "prompt": "Hi", "seed": %s}' % (MODEL, "9" * 5000), 400, None, None,
+         "the body could not be parsed as JSON: Exceeds the limit (4300 digits) for integer string conversion: "
+         "value has 5000 digits"),
+        ("JSON nested 5000 deep", "/v1/completions",
+         '{"model": "%s", "prompt": "Hi", "user": %s}' % (MODEL, "[" * 5000 + "]" * 5000), 400, None, None,
+         "the body could not be parsed: its JSON nests arrays and objects too deeply"),
         ("empty cache_salt", "/v1/chat/completions",
          {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "cache_salt": ""}, 400, "cache_salt",
          None, "cache_salt must be a non-empty string; got ''"),

@@ -3,9 +3,14 @@ keeps its JSON type, ``null`` is a non-nullable field's default, and errors name
 client sent. The formatters' shapes that follow OpenAI where vLLM's docs are silent. No
 service: the models and formatters in-process (tests/app/test_errors.py sends the same
 mistakes over HTTP)."""
+import json
+
 import pydantic
 import pytest
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
 
+from app.errors import _validation_error, from_http_exception
 from app.openai_format import ChatFormatter, ResponseFormatter
 from app.protocol import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest, json_depth
 from app.records import LogprobEntry
@@ -89,6 +94,83 @@ def test_a_messages_name_reaches_the_chat_template():
     request = ChatCompletionRequest.model_validate({**CHAT, "messages": messages})
     assert request.engine_prompt()["messages"] == [{"role": "user", "content": "Hi", "name": "ada"},
                                                    {"role": "assistant", "content": "Hello"}]
+
+
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(("body", "loc", "msg"), [
+    # each was accepted with the key ignored: an empty user turn, an unconstrained call, no schema
+    ({"messages": [{"role": "user", "contents": "Hi"}]}, ("messages", 0, "content"),
+     "Value error, a user message needs content (a string or text parts); only an assistant's may be null or "
+     "left out"),
+    ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "Hi"}]},
+     ("messages", 0, "content"), "Value error, a system message needs content (a string or text parts); only an "
+     "assistant's may be null or left out"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {}}]}]},
+     ("messages", 0, "content", "list[TextPart]", 0, "cache_control"), "Extra inputs are not permitted"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "paramters": {}}}]},
+     ("tools", 0, "function", "paramters"), "Extra inputs are not permitted"),
+    ({"tools": [{"type": "function", "name": "f", "function": {"name": "f"}}]}, ("tools", 0, "name"),
+     "Extra inputs are not permitted"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f", "arguments": "{}"}}},
+     ("tool_choice", "NamedToolChoice", "function", "arguments"), "Extra inputs are not permitted"),
+    ({"response_format": {"type": "json_object", "schema": {"type": "object"}}}, ("response_format", "schema"),
+     "Extra inputs are not permitted"),
+    ({"response_format": {"type": "json_object", "json_schema": {"name": "a"}}}, ("response_format", "json_schema"),
+     "Value error, only type json_schema takes a json_schema; type is json_object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema_": {}}}},
+     ("response_format", "json_schema", "schema_"), "Extra inputs are not permitted"),
+])
+def test_a_key_a_nested_object_does_not_define_is_refused_not_ignored(body, loc, msg):
+    assert _error(ChatCompletionRequest, {**CHAT, **body}) == (loc, msg)
+
+
+def test_an_assistant_message_may_leave_content_out():
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [TOOL_CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, {"role": "assistant", "content": None}]
+    request = ChatCompletionRequest.model_validate({**CHAT, "messages": messages})
+    assert [m.text() for m in request.messages] == ["Weather?", "", "sunny", ""]
+
+
+def _envelope(exc) -> dict:
+    return exc.body()["error"]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    # the union member's class name was part of param: tool_choice.NamedToolChoice.function
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                                 "function": None}},
+     "tool_choice.function", "tool_choice.function: Input should be a valid dictionary or instance of NamedFunction"),
+    ({"tool_choice": "any"}, "tool_choice",
+     "tool_choice: must be 'none', 'auto', 'required' or an object; got a string"),
+])
+def test_a_union_members_class_name_stays_out_of_the_error(body, param, message):
+    with pytest.raises(pydantic.ValidationError) as info:
+        ChatCompletionRequest.model_validate({**CHAT, **body})
+    errors = [{**error, "loc": ("body", *error["loc"])} for error in info.value.errors()]  # as FastAPI reports
+    error = _envelope(_validation_error(RequestValidationError(errors)))
+    assert (error["param"], error["message"]) == (param, message)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('{"seed": %s}' % ("9" * 5000), "the body could not be parsed as JSON: Exceeds the limit (4300 digits) for "
+     "integer string conversion: value has 5000 digits"),
+    ("[" * 5000 + "]" * 5000, f"the body could not be parsed: its JSON nests arrays and objects too deeply (a "
+     f"request field may nest {MAX_JSON_DEPTH} levels)"),
+    (b'"\xff"', "the body could not be parsed as JSON: 'utf-8' codec "
+     "can't decode byte 0xff in position 1: invalid start byte"),
+])
+def test_json_that_pythons_parser_refuses_is_a_400_that_says_why(text, message):
+    # FastAPI's own answer, for any of these: "There was an error parsing the body"
+    with pytest.raises(Exception) as info:
+        json.loads(text)
+    assert not isinstance(info.value, json.JSONDecodeError)  # (that one FastAPI reports as invalid JSON)
+    http_error = HTTPException(400, "There was an error parsing the body")
+    http_error.__cause__ = info.value
+    error = from_http_exception(http_error)
+    assert (error.status_code, _envelope(error)) == (400, {"message": message, "type": "invalid_request_error",
+                                                           "param": None, "code": None})
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [
