@@ -26,6 +26,14 @@ def _check(ok: bool, name: str, allowed: str, value) -> None:
         raise InvalidRequestError(f"{name} must be {allowed}; got {excerpt(value)}", param=name)
 
 
+def _is_utf8_encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
@@ -144,7 +152,7 @@ class SamplingParams:
             are unconstrained.
         cache_salt: enters the hash of the prompt's first KV block, so that with prefix
             caching only requests with the same salt share cached blocks (vLLM's name:
-            tenants with different salts never read each other's K/V); a non-empty string.
+            tenants with different salts never read each other's K/V); a non-empty string of valid Unicode.
 
     Raises:
         InvalidRequestError: (a ``ValueError``) naming the field and its allowed range, on
@@ -196,6 +204,9 @@ class SamplingParams:
                "a map of token id to a bias in [-100, 100]", self.logit_bias)
         _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
                "cache_salt", "a non-empty string", self.cache_salt)
+        # hashed as UTF-8 in the step loop (block_manager.root_hash): a lone surrogate has none
+        _check(self.cache_salt is None or _is_utf8_encodable(self.cache_salt), "cache_salt",
+               "valid Unicode (a lone surrogate has no UTF-8 encoding)", self.cache_salt)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

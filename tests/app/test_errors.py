@@ -69,6 +69,11 @@ def _error_cases():
          400, "messages.0.content.0.type", None, "Input should be 'text'"),
         ("lone surrogate", "/v1/completions", '{"model": "%s", "prompt": "\\udfff hi"}' % MODEL, 400, "prompt",
          None, "not valid Unicode"),
+        # a lone surrogate in cache_salt stopped the engine's step loop (hashed as UTF-8 there):
+        # every request got 503 until Serve replaced the replica
+        ("lone surrogate in cache_salt", "/v1/chat/completions",
+         '{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "cache_salt": "\\ud800"}' % MODEL, 400,
+         "cache_salt", None, "cache_salt must be valid Unicode (a lone surrogate has no UTF-8 encoding); got "),
         ("lone surrogate in chat", "/v1/chat/completions",
          '{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % MODEL, 400, "messages",
          None, "not valid Unicode"),

@@ -105,6 +105,8 @@ def test_cache_salt_only_shares_blocks_between_equal_salts(llm, passage_ids):
     assert [cached("tenant-a"), cached("tenant-b"), cached(None), cached("tenant-a")] == [0, 0, 0, 96]
     with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
         SamplingParams(cache_salt="")
+    with pytest.raises(ValueError, match="cache_salt must be valid Unicode"):  # was: the step loop died
+        SamplingParams(cache_salt="tenant-\udfff")
     assert_idle(llm)
 
 
