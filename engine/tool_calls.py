@@ -72,7 +72,7 @@ def _call_json(call: dict) -> dict:
     arguments = function.get("arguments") or "{}"
     try:
         arguments = json.loads(arguments)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or JSON Python's parser refuses (too deep, huge numbers)
         pass  # the client's own text: shown as it was sent
     return {"name": function["name"], "arguments": arguments}
 
@@ -113,7 +113,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
 def _parse_call(body: str) -> dict | None:
     try:
         value = json.loads(body)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or JSON Python's parser refuses (too deep, huge numbers)
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
