@@ -132,9 +132,11 @@ def _unwrap(exc: BaseException) -> BaseException:
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
-    # Of a union's per-member errors, the deepest is the one about what the client meant.
+    # Of a union's per-member errors, the deepest is the one about what the client meant, and
+    # at one depth a member whose type matched (an empty array of parts) says more than the
+    # others' "should be a string".
     errors = exc.errors()
-    first = max(errors, key=lambda e: len(e.get("loc", ())), default={})
+    first = max(errors, key=lambda e: (len(e.get("loc", ())), not _is_type_mismatch(e)), default={})
     if first.get("type") == "json_invalid":
         return OpenAIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
     location = [str(part) for part in first.get("loc", ())[1:]  # drop "body" / "query"
@@ -162,7 +164,7 @@ def _union_members(errors, first: dict) -> list[str]:
     the value at ``first``'s location as a whole, when that is where ``first`` failed; else
     ``[]`` (a member that got further, into a list say, failed deeper and was picked)."""
     loc = tuple(first.get("loc", ()))
-    if len(loc) < 2 or not _is_union_tag(loc[-1]):
+    if len(loc) < 2 or not _is_union_tag(loc[-1]) or not _is_type_mismatch(first):
         return []
     tags = [e["loc"][-1] for e in errors if len(e.get("loc", ())) == len(loc) and tuple(e["loc"][:-1]) == loc[:-1]
             and _is_union_tag(e["loc"][-1])]
@@ -175,19 +177,18 @@ _TYPE_NAMES = {"str": ("a string", "strings"), "int": ("an integer", "integers")
 
 def _describe_member(tag: str) -> list[str]:
     """A union member's tag as the values it takes, in JSON's words: ``literal['a','b']`` ->
-    ``["'a'", "'b'"]``, a request model -> ``["an object"]``, else ``_describe_type``."""
+    ``["'a'", "'b'"]``, else ``[_describe_type(tag)]``."""
     if tag.startswith("literal[") and tag.endswith("]"):
         return [choice.strip() for choice in tag[len("literal["):-1].split(",")]
-    if tag in _request_model_names():
-        return ["an object"]
     return [_describe_type(tag)]
 
 
 def _describe_type(tag: str, plural: bool = False) -> str:
-    """A union tag in JSON's words: ``list[list[int]]`` -> "an array of arrays of integers"."""
+    """A union tag in JSON's words: ``list[list[int]]`` -> "an array of arrays of integers",
+    ``list[TextPart]`` -> "an array of objects"."""
     if tag.startswith("list[") and tag.endswith("]"):
         return ("arrays of " if plural else "an array of ") + _describe_type(tag[5:-1], plural=True)
-    one, many = _TYPE_NAMES.get(tag, (f"a {tag} object", f"{tag} objects"))
+    one, many = _TYPE_NAMES.get(tag, ("an object", "objects"))  # a request model: not its class name
     return many if plural else one
 
 
@@ -200,6 +201,13 @@ def _json_kind(value) -> str:
         if isinstance(value, kind):
             return name
     return type(value).__name__
+
+
+def _is_type_mismatch(error: dict) -> bool:
+    """pydantic's error for a value of another type (``string_type``, ``model_type``, a
+    literal's), not one about a value of the right type (``too_short``, ``value_error``)."""
+    kind = error.get("type", "")
+    return kind.endswith("_type") or kind in {"literal_error", "is_instance_of"}
 
 
 def _is_union_tag(part) -> bool:

@@ -12,7 +12,7 @@ from typing import Literal
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from app.tool_calls import ToolMode, tool_constraint
+from app.tool_calls import ToolMode, shared_definitions, tool_constraint
 from engine.errors import InvalidRequestError, excerpt
 from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -375,16 +375,19 @@ class ChatMessage(RequestModel):
 
     Raises:
         pydantic.ValidationError: ``content`` missing or null in a message other than an
-            assistant's (OpenAI's rule; a misspelt ``contents`` is caught by it).
+            assistant's (OpenAI's rule; a misspelt ``contents`` is caught by it), an empty
+            array of parts, or a tool message without ``tool_call_id``.
     """
 
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"] = Field(description="Author.")
-    content: str | list[TextPart] | None = Field(None, validate_default=True, description="Text, or "
-                                                 "text parts; only an assistant's may be left out.")
+    content: str | typing.Annotated[list[TextPart], Field(min_length=1)] | None = Field(
+        None, validate_default=True, description="Text, or text parts (at least one); only an assistant's "
+        "may be left out.")
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant message's calls.")
-    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
+    tool_call_id: str | None = Field(None, validate_default=True, description="A tool message (where it "
+                                     "is required): the call it answers.")
     name: str | None = Field(None, description="The participant's name; the chat template "
                              "gets it as the message's name (SmolLM2's does not print it).")
 
@@ -395,6 +398,13 @@ class ChatMessage(RequestModel):
         if value is None and role is not None and role != "assistant":
             raise ValueError(f"a {role} message needs content (a string or text parts); only an "
                              "assistant's may be null or left out")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id_of_a_tool_message(cls, value, info):
+        if value is None and info.data.get("role") == "tool":
+            raise ValueError("a tool message needs tool_call_id, the id of the call it answers")
         return value
 
     def text(self) -> str:
@@ -485,8 +495,10 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check_tools(self) -> None:
         """Checks what ``tool_mode`` does not: every function name once, and every
-        ``parameters`` a JSON schema (its metaschema's check, ``jsonschema``), whether or not
-        this request's choice makes the model call that function.
+        ``parameters`` a JSON schema (its metaschema's check, ``jsonschema``) of an object
+        (OpenAI's rule: a call's arguments are a JSON object), whether or not this request's
+        choice makes the model call that function; and two tools' ``$defs`` of one name are
+        the same (``tool_constraint`` puts them side by side).
 
         Raises:
             InvalidRequestError: naming ``tools[i].function.name`` or ``...parameters``.
@@ -509,6 +521,14 @@ class ChatCompletionRequest(SamplingRequest):
                 raise InvalidRequestError(f"tools[{i}].function.parameters is not a valid JSON schema: "
                                           f"{reason} (at parameters{where})",
                                           f"tools[{i}].function.parameters") from exc
+            if schema is not None and schema.get("type", "object") != "object":
+                raise InvalidRequestError(f"tools[{i}].function.parameters must be a JSON schema of type object "
+                                          f"(a call's arguments are an object); got type {excerpt(schema['type'])}",
+                                          f"tools[{i}].function.parameters")
+        try:
+            shared_definitions(self.functions())
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), "tools") from exc
 
     def functions(self) -> list[dict]:
         return [tool.function.model_dump(exclude_none=True) for tool in self.tools or []]

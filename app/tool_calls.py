@@ -41,25 +41,62 @@ class ToolMode:
     parallel: bool = True
 
 
+# Where a schema keeps the subschemas its "$ref"s name ("#/$defs/Address"): 2019-09 on, and
+# draft 7's name (pydantic writes "$defs").
+DEFINITION_KEYS = ("$defs", "definitions")
+
+
 def tool_constraint(functions: list[dict], mode: ToolMode, parallel_tool_calls: bool) -> dict | None:
     """``StructuredOutputsParams`` kwargs that force a call (``named``, ``required``),
-    ``None`` for ``auto``.
+    ``None`` for ``auto``. A schema without a ``type`` gets ``"type": "object"``.
 
     Args:
         functions: the tools' function definitions (``name``, ``parameters``).
+
+    Raises:
+        ValueError: (``required``) two tools define one ``$defs`` name differently
+            (``shared_definitions``).
     """
-    parameters = {f["name"]: f.get("parameters") or {"type": "object"} for f in functions}
+    parameters = {f["name"]: {"type": "object", **(f.get("parameters") or {})} for f in functions}
     if mode.kind == "named":
         return {"json": parameters[mode.name], "disable_any_whitespace": True}
     if mode.kind != "required":
         return None
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+    # Each tool's schema sits inside the array's, where its "#/$defs/..." references would
+    # look in the array's schema: its definitions move there (as vLLM's do).
+    definitions = shared_definitions(functions)
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": {
+                 key: value for key, value in schema.items() if key not in DEFINITION_KEYS}},
               "required": ["name", "parameters"], "additionalProperties": False}
              for name, schema in parameters.items()]
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **definitions}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
     return {"json": schema, "disable_any_whitespace": True}
+
+
+def shared_definitions(functions: list[dict]) -> dict:
+    """The tools' ``$defs`` (and ``definitions``) merged, for a schema that holds all their
+    ``parameters``: ``{"$defs": {...}}``, empty where no tool has any.
+
+    Raises:
+        ValueError: two tools define one name differently, naming both tools.
+    """
+    merged: dict[str, dict] = {}
+    owner: dict[tuple[str, str], int] = {}
+    for i, function in enumerate(functions):
+        for key in DEFINITION_KEYS:
+            definitions = (function.get("parameters") or {}).get(key)
+            if not isinstance(definitions, dict):  # (a draft-4 schema may have anything under "$defs")
+                continue
+            for name, definition in definitions.items():
+                seen = merged.setdefault(key, {})
+                if name in seen and seen[name] != definition:
+                    raise ValueError(f"tools[{i}].function.parameters.{key}.{name} differs from "
+                                     f"tools[{owner[key, name]}]'s definition of that name; with tool_choice "
+                                     "required all tools' definitions share one schema: rename one")
+                seen[name], owner[key, name] = definition, owner.get((key, name), i)
+    return merged
 
 
 def new_call_id() -> str:

@@ -115,6 +115,8 @@ TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "argu
      "Extra inputs are not permitted"),
     ({"tool_choice": {"type": "function", "function": {"name": "f", "arguments": "{}"}}},
      ("tool_choice", "NamedToolChoice", "function", "arguments"), "Extra inputs are not permitted"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "tool", "content": "sunny"}]},
+     ("messages", 1, "tool_call_id"), "Value error, a tool message needs tool_call_id, the id of the call it answers"),
     ({"response_format": {"type": "json_object", "schema": {"type": "object"}}}, ("response_format", "schema"),
      "Extra inputs are not permitted"),
     ({"response_format": {"type": "json_object", "json_schema": {"name": "a"}}}, ("response_format", "json_schema"),
@@ -144,8 +146,13 @@ def _envelope(exc) -> dict:
      "tool_choice.function", "tool_choice.function: Input should be a valid dictionary or instance of NamedFunction"),
     ({"tool_choice": "any"}, "tool_choice",
      "tool_choice: must be 'none', 'auto', 'required' or an object; got a string"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content",  # was "an array of TextPart objects"
+     "messages.0.content: must be a string or an array of objects; got a number"),
+    # an array is the right type: its length is what is wrong (was accepted, as an empty message)
+    ({"messages": [{"role": "user", "content": []}]}, "messages.0.content",
+     "messages.0.content: List should have at least 1 item after validation, not 0"),
 ])
-def test_a_union_members_class_name_stays_out_of_the_error(body, param, message):
+def test_errors_about_a_union_field_name_it_in_jsons_words(body, param, message):
     with pytest.raises(pydantic.ValidationError) as info:
         ChatCompletionRequest.model_validate({**CHAT, **body})
     errors = [{**error, "loc": ("body", *error["loc"])} for error in info.value.errors()]  # as FastAPI reports

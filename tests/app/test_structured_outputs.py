@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 import requests
 
-from app.tool_calls import ToolCallStream, ToolMode, final_message
+from app.tool_calls import ToolCallStream, ToolMode, final_message, tool_constraint
 from tests.app.conftest import MODEL
 
 WEATHER = {"type": "object",
@@ -202,6 +202,46 @@ def test_required_calls_are_cut_from_the_stream_as_they_arrive():
     assert cut["content"] is None
 
 
+ADDRESS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+           "required": ["city"], "additionalProperties": False}
+# as openai.pydantic_function_tool writes a model with a field of another model: "$defs" and "$ref"s into it
+SHIP = {"type": "function", "function": {"name": "ship", "description": "Ship a parcel.", "strict": True,
+                                         "parameters": {
+    "type": "object", "$defs": {"Address": ADDRESS},
+    "properties": {"to": {"$ref": "#/$defs/Address"}, "weight_kg": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["to", "weight_kg"], "additionalProperties": False}}}
+SHIP_AGAIN = {"type": "function", "function": {"name": "ship_back", "parameters": {
+    "type": "object", "$defs": {"Address": ADDRESS}, "properties": {"from": {"$ref": "#/$defs/Address"}},
+    "required": ["from"], "additionalProperties": False}}}
+
+
+def test_required_calls_keep_each_tools_definitions():
+    # Inside the array of calls a tool's "#/$defs/Address" pointed at the array's schema, which
+    # had none: xgrammar refused it (a 400 on a valid tool). The definitions move there.
+    constraint = tool_constraint([SHIP["function"], SHIP_AGAIN["function"]], ToolMode("required"), True)
+    schema = constraint["json"]
+    assert schema["$defs"] == {"Address": ADDRESS}
+    assert all("$defs" not in call["properties"]["parameters"] for call in schema["items"]["anyOf"])
+    calls = [{"name": "ship", "parameters": {"to": {"city": "Oslo"}, "weight_kg": 2}},
+             {"name": "ship_back", "parameters": {"from": {"city": "Rome"}}}]
+    jsonschema.validate(calls, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "ship", "parameters": {"to": {"town": "Oslo"}, "weight_kg": 2}}], schema)
+    # a tool forced by name keeps its schema whole
+    named = tool_constraint([SHIP["function"]], ToolMode("named", "ship"), True)["json"]
+    assert named == SHIP["function"]["parameters"]
+
+
+def test_a_tool_with_definitions_is_called_when_required(client):
+    message, finish_reason = _chat(client, False, tools=[SHIP, SHIP_AGAIN], tool_choice="required", temperature=0,
+                                   parallel_tool_calls=False, max_tokens=60,
+                                   messages=[{"role": "user", "content": "Ship 2 kg to Oslo."}])
+    assert finish_reason == "tool_calls" and len(message["tool_calls"]) == 1, message
+    [call] = message["tool_calls"]
+    tool = {"ship": SHIP, "ship_back": SHIP_AGAIN}[call["name"]]
+    jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])
+
+
 BAD = [
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
@@ -220,6 +260,14 @@ BAD = [
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}],
         "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools[0].function.parameters"),
+    # was a 500 (the required array's scanner found no object where a call's arguments begin)
+    ("/v1/chat/completions", {"tools": [TOOLS[0], {"type": "function", "function": {
+        "name": "g", "parameters": {"type": "string"}}}], "tool_choice": "required"}, "tools[1].function.parameters"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"type": "string"}}}}},
+        {"type": "function", "function": {"name": "g", "parameters": {
+            "type": "object", "properties": {"b": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"type": "integer"}}}}}],
+        "tool_choice": "required"}, "tools"),
 ]
 
 
