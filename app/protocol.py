@@ -497,8 +497,8 @@ class ChatCompletionRequest(SamplingRequest):
         """Checks what ``tool_mode`` does not: every function name once, and every
         ``parameters`` a JSON schema (its metaschema's check, ``jsonschema``) of an object
         (OpenAI's rule: a call's arguments are a JSON object), whether or not this request's
-        choice makes the model call that function; and two tools' ``$defs`` of one name are
-        the same (``tool_constraint`` puts them side by side).
+        choice makes the model call that function; and, with ``tool_choice`` required, two
+        tools' ``$defs`` of one name are the same (``tool_constraint`` puts them side by side).
 
         Raises:
             InvalidRequestError: naming ``tools[i].function.name`` or ``...parameters``.
@@ -525,10 +525,11 @@ class ChatCompletionRequest(SamplingRequest):
                 raise InvalidRequestError(f"tools[{i}].function.parameters must be a JSON schema of type object "
                                           f"(a call's arguments are an object); got type {excerpt(schema['type'])}",
                                           f"tools[{i}].function.parameters")
-        try:
-            shared_definitions(self.functions())
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), "tools") from exc
+        if self.tool_choice == "required":  # only then do all tools' schemas become one
+            try:
+                shared_definitions(self.functions())
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), "tools") from exc
 
     def functions(self) -> list[dict]:
         return [tool.function.model_dump(exclude_none=True) for tool in self.tools or []]

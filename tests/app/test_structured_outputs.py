@@ -227,6 +227,12 @@ def test_required_calls_keep_each_tools_definitions():
     jsonschema.validate(calls, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "ship", "parameters": {"to": {"town": "Oslo"}, "weight_kg": 2}}], schema)
+    # two tools may define one name differently unless their schemas become one (required)
+    other = {"name": "g", "parameters": {"type": "object", "$defs": {"Address": {"type": "string"}},
+                                         "properties": {"a": {"$ref": "#/$defs/Address"}}}}
+    assert tool_constraint([SHIP["function"], other], ToolMode("auto"), True) is None
+    with pytest.raises(ValueError, match=r"tools\[1\]\.function\.parameters\.\$defs\.Address differs from"):
+        tool_constraint([SHIP["function"], other], ToolMode("required"), True)
     # a tool forced by name keeps its schema whole
     named = tool_constraint([SHIP["function"]], ToolMode("named", "ship"), True)["json"]
     assert named == SHIP["function"]["parameters"]
