@@ -134,9 +134,9 @@ def _unwrap(exc: BaseException) -> BaseException:
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     # Of a union's per-member errors, the deepest is the one about what the client meant, and
     # at one depth a member whose type matched (an empty array of parts) says more than the
-    # others' "should be a string".
+    # other members' "should be a string".
     errors = exc.errors()
-    first = max(errors, key=lambda e: (len(e.get("loc", ())), not _is_type_mismatch(e)), default={})
+    first = max(errors, key=lambda e: (len(e.get("loc", ())), not _is_member_mismatch(e)), default={})
     if first.get("type") == "json_invalid":
         return OpenAIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
     location = [str(part) for part in first.get("loc", ())[1:]  # drop "body" / "query"
@@ -208,6 +208,12 @@ def _is_type_mismatch(error: dict) -> bool:
     literal's), not one about a value of the right type (``too_short``, ``value_error``)."""
     kind = error.get("type", "")
     return kind.endswith("_type") or kind in {"literal_error", "is_instance_of"}
+
+
+def _is_member_mismatch(error: dict) -> bool:
+    """A union member refused the value by its type (``("content", "str")``: string_type)."""
+    loc = error.get("loc", ())
+    return bool(loc) and _is_union_tag(loc[-1]) and _is_type_mismatch(error)
 
 
 def _is_union_tag(part) -> bool:

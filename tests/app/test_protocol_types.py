@@ -151,6 +151,9 @@ def _envelope(exc) -> dict:
     # an array is the right type: its length is what is wrong (was accepted, as an empty message)
     ({"messages": [{"role": "user", "content": []}]}, "messages.0.content",
      "messages.0.content: List should have at least 1 item after validation, not 0"),
+    # a part of another type: its type is named (its other keys are unknown to a text part too)
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content.0.type", "messages.0.content.0.type: Input should be 'text'"),
 ])
 def test_errors_about_a_union_field_name_it_in_jsons_words(body, param, message):
     with pytest.raises(pydantic.ValidationError) as info:
