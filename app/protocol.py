@@ -12,7 +12,7 @@ from typing import Literal
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from app.tool_calls import ToolMode, shared_definitions, tool_constraint
+from app.tool_calls import ToolMode, tool_constraint
 from engine.errors import InvalidRequestError, excerpt
 from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -497,8 +497,7 @@ class ChatCompletionRequest(SamplingRequest):
         """Checks what ``tool_mode`` does not: every function name once, and every
         ``parameters`` a JSON schema (its metaschema's check, ``jsonschema``) of an object
         (OpenAI's rule: a call's arguments are a JSON object), whether or not this request's
-        choice makes the model call that function; and, with ``tool_choice`` required, two
-        tools' ``$defs`` of one name are the same (``tool_constraint`` puts them side by side).
+        choice makes the model call that function.
 
         Raises:
             InvalidRequestError: naming ``tools[i].function.name`` or ``...parameters``.
@@ -525,18 +524,16 @@ class ChatCompletionRequest(SamplingRequest):
                 raise InvalidRequestError(f"tools[{i}].function.parameters must be a JSON schema of type object "
                                           f"(a call's arguments are an object); got type {excerpt(schema['type'])}",
                                           f"tools[{i}].function.parameters")
-        if self.tool_choice == "required":  # only then do all tools' schemas become one
-            try:
-                shared_definitions(self.functions())
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc), "tools") from exc
 
     def functions(self) -> list[dict]:
         return [tool.function.model_dump(exclude_none=True) for tool in self.tools or []]
 
     def constraints(self) -> list[tuple[str, dict]]:
         mode = self.tool_mode()
-        constraint = None if mode is None else tool_constraint(self.functions(), mode, self.parallel_tool_calls)
+        try:
+            constraint = None if mode is None else tool_constraint(self.functions(), mode, self.parallel_tool_calls)
+        except ValueError as exc:  # required: two tools define one $defs name differently
+            raise InvalidRequestError(str(exc), "tools") from exc
         if constraint is None:
             return super().constraints()
         param = "tools" if mode.kind == "required" else f"tools[{self._tool_index(mode.name)}].function.parameters"
