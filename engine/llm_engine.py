@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 # A prompt: text, token ids, or {"prompt": text, "prompt_token_ids": ids} (vLLM's forms).
 PromptType = str | list[int] | dict
 _COMPILE_POLL_S = 0.02  # how long a step with nothing to run waits for a grammar compile
+# Steps in a row that may fail outside the forward pass, each failing every request, before
+# the exception stops the engine (LLMEngine.step).
+MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 # Unicode normalization can merge characters before tokenization: NFC composes at most 4
 # code points into one (a canonical decomposition is at most 4 long, Unicode's UAX #15).
@@ -61,6 +64,7 @@ class LLMEngine:
         self._compiling: list[Request] = []  # added requests whose grammar was still compiling
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, sched.max_model_len)
         self.num_generation_tokens = 0  # tokens sampled by every step so far
+        self._num_failed_steps = 0  # steps in a row that failed outside the forward pass
         logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention %s, "
                     "prefix caching %s", config.model, self.model_runner.dtype, self.model_runner.device,
                     self.block_manager.num_blocks, self.block_manager.block_size,
@@ -259,7 +263,7 @@ class LLMEngine:
             Its final output (finish_reason 'abort'), ``None`` if the request is unknown.
         """
         self._finish_requests([request_id], RequestStatus.FINISHED_ABORTED, error=None)
-        outputs = self.output_processor.make_outputs()
+        outputs = self._make_outputs()
         return outputs[0] if outputs else None
 
     def has_unfinished_requests(self) -> bool:
@@ -281,36 +285,113 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, and report what changed.
 
-        An exception in the forward fails the requests of this step only: they finish
-        with ``finish_reason='abort'`` and ``error`` set, their blocks freed.
+        A failure spares the engine where it can be confined (the step loop must outlive
+        any one request; vLLM instead stops its engine core on any such exception):
+
+        - an exception in the forward or the sampler fails the requests of this step only;
+        - one while recording a sequence's token (its grammar, detokenizer, stop strings) or
+          building a request's output fails that request only;
+        - one elsewhere in the step (scheduling, the scheduler's bookkeeping) cannot be
+          tied to a request: it fails every request in the engine. The engine then must hold
+          no KV block and its block manager's invariants must hold, else the exception
+          propagates, as it does when ``MAX_CONSECUTIVE_FAILED_STEPS`` steps in a row fail
+          so (a fault that every request meets: the replica should be replaced, not answer
+          every request with an error).
+
+        A failed request finishes with ``finish_reason='abort'``, ``error`` set to
+        ``"<exception type>: <message>"``, and its blocks freed.
 
         Returns:
             Outputs of the requests that produced a token or finished, in the form their
             ``SamplingParams.output_kind`` asks for.
+
+        Raises:
+            Exception: the step's own exception, as described above.
         """
+        try:
+            outputs = self._step()
+        except Exception as exc:  # noqa: BLE001 - confined below, or re-raised
+            return self._fail_all_requests(exc)
+        self._num_failed_steps = 0
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         self._check_compiles()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             if self._compiling:  # only grammars compiling: wait for one rather than spin
                 self._compiling[0].grammar.wait(_COMPILE_POLL_S)
-            return self.output_processor.make_outputs()
+            return self._make_outputs()
         try:
             runner_output = self.model_runner.execute(scheduler_output)
         except Exception as exc:  # noqa: BLE001 - the loop must outlive any one batch
             logger.exception("step failed; failing its %d sequences", len(scheduler_output.scheduled))
             request_ids = {self.scheduler.requests[s.seq_id].request_id
                            for s in scheduler_output.scheduled}
-            self._finish_requests(request_ids, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}")
-            return self.output_processor.make_outputs()
+            self._finish_requests(request_ids, RequestStatus.FINISHED_ERROR, _describe(exc))
+            return self._make_outputs()
+        failed = set()
         for sequence, token in self.scheduler.update(scheduler_output, runner_output):
-            if sequence.grammar is not None and not sequence.grammar.accept(token.token_id):
-                self._fail_sequence(sequence, f"structured_outputs: the grammar does not allow the "
-                                              f"sampled token {token.token_id}")
-            self.num_generation_tokens += 1
-            stop = self.output_processor.add_token(sequence, token)
-            if stop is not None:
-                self._stop_at_string(sequence, stop)
-        return self.output_processor.make_outputs()
+            if sequence.request_id in failed:
+                continue
+            try:
+                self._record_token(sequence, token)
+            except Exception as exc:  # noqa: BLE001 - one request's fault, not the step's
+                logger.exception("request %s: recording sampled token %d failed; failing the request",
+                                 sequence.request_id, token.token_id)
+                failed.add(sequence.request_id)
+                self._finish_requests([sequence.request_id], RequestStatus.FINISHED_ERROR, _describe(exc))
+        return self._make_outputs()
+
+    def _record_token(self, sequence: Request, token) -> None:
+        """Check ``token`` against the sequence's grammar, detokenize it, apply stop strings."""
+        if sequence.grammar is not None and not sequence.grammar.accept(token.token_id):
+            self._fail_sequence(sequence, f"structured_outputs: the grammar does not allow the "
+                                          f"sampled token {token.token_id}")
+        self.num_generation_tokens += 1
+        stop = self.output_processor.add_token(sequence, token)
+        if stop is not None:
+            self._stop_at_string(sequence, stop)
+
+    def _make_outputs(self) -> list[RequestOutput]:
+        """``OutputProcessor.make_outputs``, and an error output for each request whose output
+        could not be built (its sequences finished, blocks freed)."""
+        outputs = self.output_processor.make_outputs()
+        for request_id, error in self.output_processor.pop_failed().items():
+            for seq_id in self.output_processor.seq_ids(request_id):
+                sequence = self.scheduler.finish_request(seq_id, RequestStatus.FINISHED_ERROR)
+                if sequence is not None:
+                    sequence.error = error
+            output = self.output_processor.drop(request_id, error)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _fail_all_requests(self, exc: Exception) -> list[RequestOutput]:
+        """Fail every request after a step raised ``exc`` outside the forward pass (see
+        ``step``), or re-raise ``exc``."""
+        self._num_failed_steps += 1
+        if self._num_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+            logger.error("%d steps in a row failed outside the forward pass: stopping", self._num_failed_steps)
+            raise exc
+        error = _describe(exc)
+        request_ids = {r.request_id for r in self.scheduler.requests.values()} | set(self.output_processor.states)
+        logger.exception("engine step failed; failing all %d requests", len(request_ids), exc_info=exc)
+        try:
+            for seq_id in list(self.scheduler.requests):
+                self.scheduler.finish_request(seq_id, RequestStatus.FINISHED_ERROR)
+            self._compiling = []
+            outputs = [output for request_id in request_ids
+                       if (output := self.output_processor.drop(request_id, error)) is not None]
+            bm = self.block_manager
+            if bm.num_free_blocks != bm.num_blocks or bm.block_tables:
+                raise RuntimeError(f"{bm.num_blocks - bm.num_free_blocks} KV blocks still in use "
+                                   "after failing every request")
+            bm.check_invariants()
+        except Exception as recovery:  # noqa: BLE001 - the engine's state is not trusted
+            logger.error("recovery from the failed step failed: %s", _describe(recovery))
+            raise exc from recovery
+        return outputs
 
     def _check_compiles(self) -> None:
         """Forget requests whose grammar compile has finished; fail those where it failed."""
@@ -385,6 +466,11 @@ class LLMEngine:
             "num_free_cached_blocks": bm.num_free_cached_blocks,
             "num_generation_tokens": self.num_generation_tokens,
         }
+
+
+def _describe(exc: BaseException) -> str:
+    """A failed request's ``error``: the exception's type and message."""
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _eos_token_id(loaded: LoadedModel) -> int | None:

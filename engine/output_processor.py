@@ -1,6 +1,7 @@
 """From sampled tokens to ``RequestOutput``s: text, stop strings, logprobs, n > 1, metrics."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -9,6 +10,8 @@ from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOut
 from engine.request import Request
 from engine.sampling_params import RequestOutputKind
 from engine.scheduler_output import SampledToken
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
@@ -47,6 +50,7 @@ class OutputProcessor:
         self.stream_interval = stream_interval
         self.states: dict[str, RequestState] = {}
         self._token_texts: dict[int, str] = {}
+        self._failed: dict[str, str] = {}  # request id -> error, since the last pop_failed
 
     def add_request(self, request: Request) -> None:
         self.states[request.request_id] = RequestState(
@@ -83,19 +87,46 @@ class OutputProcessor:
 
     def make_outputs(self) -> list[RequestOutput]:
         """Outputs of every request with news since the last call, per its ``output_kind``;
-        finished requests are dropped from the state."""
+        finished requests are dropped from the state.
+
+        A request whose output cannot be built (an exception from its detokenizer, say) is
+        left out and listed by ``pop_failed``; the others are unaffected."""
         outputs = []
         for request_id in [r for r, s in self.states.items() if s.changed]:
             state = self.states[request_id]
-            if self._held_back(state):
+            try:
+                if self._held_back(state):
+                    continue
+                output = self._make_output(state)
+            except Exception as exc:  # noqa: BLE001 - one request's fault: the caller fails it
+                logger.exception("request %s: building its output failed", request_id)
+                self._failed[request_id] = f"{type(exc).__name__}: {exc}"
+                state.changed.clear()
                 continue
-            output = self._make_output(state)
             state.changed.clear()
             if state.finished:
                 del self.states[request_id]
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def pop_failed(self) -> dict[str, str]:
+        """The requests ``make_outputs`` left out since the last call: request id -> error."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    def drop(self, request_id: str, error: str) -> RequestOutput | None:
+        """Forget a request that failed, and return its final output: finished, ``error``
+        set, no completions (its text may be what failed). ``None`` if the request is
+        unknown. The caller frees its sequences in the scheduler."""
+        state = self.states.pop(request_id, None)
+        self._failed.pop(request_id, None)
+        if state is None:
+            return None
+        first = state.first
+        return RequestOutput(request_id=request_id, prompt=first.prompt,
+                             prompt_token_ids=first.prompt_token_ids, outputs=[], finished=True,
+                             metrics=state.metrics, error=error, num_cached_tokens=first.num_cached_tokens)
 
     # ---- helpers -------------------------------------------------------------------------
 

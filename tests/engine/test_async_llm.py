@@ -9,6 +9,7 @@ import pytest
 from engine import EngineConfig, SamplingParams
 from engine.async_llm import AsyncLLM
 from engine.errors import EngineDeadError, RequestFailedError
+from engine.llm_engine import MAX_CONSECUTIVE_FAILED_STEPS
 from engine.sampling_params import RequestOutputKind
 from tests.engine.conftest import assert_idle
 
@@ -144,7 +145,35 @@ def test_a_failing_step_fails_only_its_requests(async_llm, monkeypatch):
     assert_idle(_Wrap(async_llm))
 
 
+def test_a_scheduling_fault_fails_the_requests_in_flight_and_the_loop_goes_on(async_llm, monkeypatch):
+    scheduler = async_llm.engine.scheduler
+    real_schedule = scheduler.schedule
+    fired = []
+
+    def schedule_failing_once():
+        if not fired and len(scheduler.requests) == 3:  # once all three are in
+            fired.append(True)
+            raise RuntimeError("injected scheduler fault")
+        return real_schedule()
+
+    monkeypatch.setattr(scheduler, "schedule", schedule_failing_once)
+
+    async def main():
+        failed = await asyncio.gather(*(collect(async_llm, p, greedy(8)) for p in PROMPTS[:3]),
+                                      return_exceptions=True)
+        return failed, await collect(async_llm, PROMPTS[3], greedy(8))
+
+    failed, (texts, token_ids, finish) = asyncio.run(main())
+    assert [str(e) for e in failed] == ["RuntimeError: injected scheduler fault"] * 3
+    assert all(isinstance(e, RequestFailedError) for e in failed)
+    assert len(token_ids) == 8 and finish == "length"
+    async_llm.check_health()
+    assert_idle(_Wrap(async_llm))
+
+
 def test_a_dead_loop_is_reported():
+    """A fault that every step meets stops the loop after MAX_CONSECUTIVE_FAILED_STEPS
+    failed steps; the health check and every later call report it."""
     engine = AsyncLLM(config=EngineConfig(model="dummy:tiny-llama", dtype="float32"))
 
     def broken_schedule():
@@ -153,6 +182,10 @@ def test_a_dead_loop_is_reported():
     engine.engine.scheduler.schedule = broken_schedule
 
     async def main():
+        for _ in range(MAX_CONSECUTIVE_FAILED_STEPS - 1):
+            with pytest.raises(RequestFailedError, match="RuntimeError: scheduler bug"):
+                await collect(engine, [1, 2, 3], greedy(4))
+        engine.check_health()
         with pytest.raises(EngineDeadError):
             await collect(engine, [1, 2, 3], greedy(4))
         with pytest.raises(EngineDeadError):
