@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.conftest import MAX_TOKENS, PROMPT_LENGTHS, assert_idle
+from tests.engine.conftest import HF_BATCH, MAX_TOKENS, PROMPT_LENGTHS, assert_idle, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -20,6 +20,15 @@ def test_prompt_lengths_cover_block_boundaries(mixed_prompts):
 
 
 @pytest.mark.slow
+def test_the_batched_reference_equals_transformers_one_prompt_at_a_time(hf_model, mixed_prompts, hf_expected):
+    # The most padded row of a reference batch: the 1-token prompt among 24-token ones, and
+    # the first of the last batch (128 tokens among 450).
+    assert PROMPT_LENGTHS[0] == 1 and PROMPT_LENGTHS[HF_BATCH - 1] == 24
+    for index in (0, len(PROMPT_LENGTHS) - HF_BATCH):
+        assert hf_greedy(hf_model, mixed_prompts[index], MAX_TOKENS) == hf_expected[index], index
+
+
+@pytest.mark.slow
 def test_each_prompt_alone_matches_transformers(llm, mixed_prompts, hf_expected):
     for prompt, expected in zip(mixed_prompts, hf_expected, strict=True):
         (output,) = llm.generate(prompt, GREEDY, use_tqdm=False)
@@ -28,7 +37,7 @@ def test_each_prompt_alone_matches_transformers(llm, mixed_prompts, hf_expected)
     assert_idle(llm)
 
 
-@pytest.mark.slow  # transformers' reference generations take ~50 s to make
+@pytest.mark.slow  # transformers' reference generations (hf_expected) take ~30 s to make
 def test_one_batch_matches_transformers(llm, mixed_prompts, hf_expected):
     outputs = llm.generate(mixed_prompts, GREEDY, use_tqdm=False)
     assert _token_ids(outputs) == hf_expected
