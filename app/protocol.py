@@ -530,10 +530,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     def constraints(self) -> list[tuple[str, dict]]:
         mode = self.tool_mode()
-        try:
-            constraint = None if mode is None else tool_constraint(self.functions(), mode, self.parallel_tool_calls)
-        except ValueError as exc:  # required: two tools define one $defs name differently
-            raise InvalidRequestError(str(exc), "tools") from exc
+        constraint = None if mode is None else tool_constraint(self.functions(), mode, self.parallel_tool_calls)
         if constraint is None:
             return super().constraints()
         param = "tools" if mode.kind == "required" else f"tools[{self._tool_index(mode.name)}].function.parameters"

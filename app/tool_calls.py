@@ -41,9 +41,10 @@ class ToolMode:
     parallel: bool = True
 
 
-# Where a schema keeps the subschemas its "$ref"s name ("#/$defs/Address"): 2019-09 on, and
-# draft 7's name (pydantic writes "$defs").
-DEFINITION_KEYS = ("$defs", "definitions")
+# JSON Schema keywords whose value is data, not a subschema: a "$ref" key in it is no reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose value maps names to subschemas: the names are not keywords.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def tool_constraint(functions: list[dict], mode: ToolMode, parallel_tool_calls: bool) -> dict | None:
@@ -52,51 +53,46 @@ def tool_constraint(functions: list[dict], mode: ToolMode, parallel_tool_calls: 
 
     Args:
         functions: the tools' function definitions (``name``, ``parameters``).
-
-    Raises:
-        ValueError: (``required``) two tools define one ``$defs`` name differently
-            (``shared_definitions``).
     """
     parameters = {f["name"]: {"type": "object", **(f.get("parameters") or {})} for f in functions}
     if mode.kind == "named":
         return {"json": parameters[mode.name], "disable_any_whitespace": True}
     if mode.kind != "required":
         return None
-    # Each tool's schema sits inside the array's, where its "#/$defs/..." references would
-    # look in the array's schema: its definitions move there (as vLLM's do).
-    definitions = shared_definitions(functions)
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": {
-                 key: value for key, value in schema.items() if key not in DEFINITION_KEYS}},
+    # Each tool's schema sits inside the array's: its local references ("#/$defs/Address",
+    # "#/properties/to") are rebased to where it sits, so each keeps its own definitions.
+    calls = [{"type": "object", "properties": {
+                 "name": {"const": name},
+                 "parameters": rebase_refs(schema, f"/items/anyOf/{i}/properties/parameters")},
               "required": ["name", "parameters"], "additionalProperties": False}
-             for name, schema in parameters.items()]
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **definitions}
+             for i, (name, schema) in enumerate(parameters.items())]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
     return {"json": schema, "disable_any_whitespace": True}
 
 
-def shared_definitions(functions: list[dict]) -> dict:
-    """The tools' ``$defs`` (and ``definitions``) merged, for a schema that holds all their
-    ``parameters``: ``{"$defs": {...}}``, empty where no tool has any.
-
-    Raises:
-        ValueError: two tools define one name differently, naming both tools.
-    """
-    merged: dict[str, dict] = {}
-    owner: dict[tuple[str, str], int] = {}
-    for i, function in enumerate(functions):
-        for key in DEFINITION_KEYS:
-            definitions = (function.get("parameters") or {}).get(key)
-            if not isinstance(definitions, dict):  # (a draft-4 schema may have anything under "$defs")
-                continue
-            for name, definition in definitions.items():
-                seen = merged.setdefault(key, {})
-                if name in seen and seen[name] != definition:
-                    raise ValueError(f"tools[{i}].function.parameters.{key}.{name} differs from "
-                                     f"tools[{owner[key, name]}]'s definition of that name; with tool_choice "
-                                     "required all tools' definitions share one schema: rename one")
-                seen[name], owner[key, name] = definition, owner.get((key, name), i)
-    return merged
+def rebase_refs(schema, base: str):
+    """``schema`` with every local ``$ref`` (``"#"`` or ``"#/<JSON pointer>"``, JSON Schema
+    2020-12 section 8.2.3.1, RFC 6901) moved under ``base``: the JSON pointer at which
+    ``schema`` is placed inside a larger schema. Other references (``"#anchor"``, URIs) and
+    data (``const``, ``enum``, ``default``, ``examples``) are left as they are; ``schema``
+    is not changed (a copy of what is rebased is returned)."""
+    if isinstance(schema, list):
+        return [rebase_refs(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            rebased[key] = "#" + base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            rebased[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            rebased[key] = {name: rebase_refs(sub, base) for name, sub in value.items()}
+        else:
+            rebased[key] = rebase_refs(value, base)
+    return rebased
 
 
 def new_call_id() -> str:

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 import requests
+import xgrammar
 
 from app.tool_calls import ToolCallStream, ToolMode, final_message, tool_constraint
 from tests.app.conftest import MODEL
@@ -217,25 +218,52 @@ SHIP_AGAIN = {"type": "function", "function": {"name": "ship_back", "parameters"
 
 def test_required_calls_keep_each_tools_definitions():
     # Inside the array of calls a tool's "#/$defs/Address" pointed at the array's schema, which
-    # had none: xgrammar refused it (a 400 on a valid tool). The definitions move there.
+    # had none: xgrammar refused it (a 400 on a valid tool). Each tool's references are rebased.
     constraint = tool_constraint([SHIP["function"], SHIP_AGAIN["function"]], ToolMode("required"), True)
     schema = constraint["json"]
-    assert schema["$defs"] == {"Address": ADDRESS}
-    assert all("$defs" not in call["properties"]["parameters"] for call in schema["items"]["anyOf"])
+    assert "$defs" not in schema
+    ship, ship_back = (call["properties"]["parameters"] for call in schema["items"]["anyOf"])
+    assert ship["properties"]["to"] == {"$ref": "#/items/anyOf/0/properties/parameters/$defs/Address"}
+    assert ship_back["properties"]["from"] == {"$ref": "#/items/anyOf/1/properties/parameters/$defs/Address"}
+    assert SHIP["function"]["parameters"]["properties"]["to"] == {"$ref": "#/$defs/Address"}  # not changed
     calls = [{"name": "ship", "parameters": {"to": {"city": "Oslo"}, "weight_kg": 2}},
              {"name": "ship_back", "parameters": {"from": {"city": "Rome"}}}]
     jsonschema.validate(calls, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "ship", "parameters": {"to": {"town": "Oslo"}, "weight_kg": 2}}], schema)
-    # two tools may define one name differently unless their schemas become one (required)
+    # Two tools may define one name differently: each reference finds its own tool's.
     other = {"name": "g", "parameters": {"type": "object", "$defs": {"Address": {"type": "string"}},
                                          "properties": {"a": {"$ref": "#/$defs/Address"}}}}
-    assert tool_constraint([SHIP["function"], other], ToolMode("auto"), True) is None
-    with pytest.raises(ValueError, match=r"tools\[1\]\.function\.parameters\.\$defs\.Address differs from"):
-        tool_constraint([SHIP["function"], other], ToolMode("required"), True)
+    schema = tool_constraint([SHIP["function"], other], ToolMode("required"), True)["json"]
+    jsonschema.validate([calls[0], {"name": "g", "parameters": {"a": "Oslo"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "g", "parameters": {"a": {"city": "Oslo"}}}], schema)
     # a tool forced by name keeps its schema whole
     named = tool_constraint([SHIP["function"]], ToolMode("named", "ship"), True)["json"]
     assert named == SHIP["function"]["parameters"]
+
+
+def test_references_into_a_tools_own_properties_and_root_are_rebased():
+    tree = {"name": "tree", "parameters": {
+        "type": "object", "properties": {
+            "label": {"type": "string", "maxLength": 3}, "alias": {"$ref": "#/properties/label"},
+            "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2},
+            # data is not rebased: a "$ref" key in a const or an enum is a value
+            "kind": {"const": {"$ref": "#/x"}}, "enum": {"enum": [{"$ref": "#"}]}},
+        "required": ["label"], "additionalProperties": False}}
+    schema = tool_constraint([TOOLS[0]["function"], tree], ToolMode("required"), True)["json"]
+    properties = schema["items"]["anyOf"][1]["properties"]["parameters"]["properties"]
+    base = "#/items/anyOf/1/properties/parameters"
+    assert properties["alias"] == {"$ref": base + "/properties/label"}
+    assert properties["children"]["items"] == {"$ref": base}
+    assert properties["kind"] == {"const": {"$ref": "#/x"}} and properties["enum"] == {"enum": [{"$ref": "#"}]}
+    good = {"label": "a", "alias": "b", "children": [{"label": "c", "children": [{"label": "d"}]}]}
+    jsonschema.validate([{"name": "tree", "parameters": good}], schema)
+    for bad in ({"label": "a", "alias": "long"}, {"label": "a", "children": [{"label": "a", "x": 1}]}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "tree", "parameters": bad}], schema)
+    # and xgrammar compiles it
+    xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
 
 
 def test_a_tool_with_definitions_is_called_when_required(client):
@@ -269,11 +297,9 @@ BAD = [
     # was a 500 (the required array's scanner found no object where a call's arguments begin)
     ("/v1/chat/completions", {"tools": [TOOLS[0], {"type": "function", "function": {
         "name": "g", "parameters": {"type": "string"}}}], "tool_choice": "required"}, "tools[1].function.parameters"),
+    # a reference to nothing: the calls' schema is the tools' together
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"type": "string"}}}}},
-        {"type": "function", "function": {"name": "g", "parameters": {
-            "type": "object", "properties": {"b": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"type": "integer"}}}}}],
-        "tool_choice": "required"}, "tools"),
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}}], "tool_choice": "required"}, "tools"),
 ]
 
 
