@@ -147,7 +147,7 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     if members:  # the value matched no member of a union: say what each would have been
         kinds = [kind for tag in members for kind in _describe_member(tag)]
         listed = ", ".join(kinds[:-1]) + " or " + kinds[-1]
-        return OpenAIError(400, f"{param}: must be {listed}; got {_json_kind(first.get('input'))}", param)
+        return OpenAIError(400, f"{param}: must be {listed}; got {json_kind(first.get('input'))}", param)
     if first.get("type") == "missing":
         message = f"{param} is required" if param else "the request body (a JSON object) is required"
     elif not param:
@@ -192,7 +192,7 @@ def _describe_type(tag: str, plural: bool = False) -> str:
     return many if plural else one
 
 
-def _json_kind(value) -> str:
+def json_kind(value) -> str:
     """What the client sent, in JSON's words."""
     if value is None:
         return "null"

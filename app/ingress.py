@@ -21,12 +21,20 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from app.admission import Admission, CachedCheck, ClosingStreamingResponse
 from app.config import AppConfig
 from app.dashboard import page
-from app.errors import OpenAIError, client_closed, from_exception, install_error_handlers, log_error, sse_error
+from app.errors import (
+    OpenAIError,
+    client_closed,
+    from_exception,
+    install_error_handlers,
+    json_kind,
+    log_error,
+    sse_error,
+)
 from app.metrics import HttpMetrics, render
 from app.middleware import install_middleware
 from app.openai_format import DONE, ChatFormatter, ResponseFormatter
 from app.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, now
-from app.request_fields import Endpoint, unsupported_field
+from app.request_fields import Endpoint, mistyped_field, unsupported_field
 from engine.errors import excerpt
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -235,7 +243,13 @@ class OpenAIIngress:
         if body.model != self.config.model_name:
             raise self._model_not_found(body.model)
         body.check_nesting()
-        field = unsupported_field(endpoint, body.model_extra or {})
+        extra = body.model_extra or {}
+        field = mistyped_field(endpoint, extra)
+        if field is not None:  # accepted unread, but still the API's type (a model field's 400)
+            expected = {str: "a string", int: "an integer", bool: "a boolean"}[field.value_type]
+            raise OpenAIError(400, f"{field.name}: must be {expected}; got {json_kind(extra[field.name])}",
+                              param=field.name)
+        field = unsupported_field(endpoint, extra)
         if field is not None:
             note = f" ({field.note})" if field.note else ""
             raise OpenAIError(400, f"{field.name} is not supported by this server{note}; leave it out",

@@ -42,6 +42,8 @@ class KnownField:
             ``stream_options``).
         off: for an unsupported field, the values that ask for nothing and are accepted.
         note: what the field is for, or where its implementation is tracked.
+        value_type: for a ``no_effect`` field, the JSON type the API gives it (``str``): any
+            other value but ``null`` is a 400, as a request model's field would be.
     """
 
     name: str
@@ -51,6 +53,7 @@ class KnownField:
     requires: dict = field(default_factory=dict)
     off: tuple = (None,)
     note: str = ""
+    value_type: type | None = None
 
     def is_off(self, value: Any) -> bool:
         """Whether ``value`` asks for nothing (``True`` is not ``1`` here)."""
@@ -106,8 +109,9 @@ KNOWN_FIELDS: list[KnownField] = [
     *_unsupported("functions", [_TOOL["function"]], CHAT, off=(None, []),
                   note="deprecated: use tools"),
     *_unsupported("function_call", "auto", CHAT, off=(None, "none"), note="deprecated: use tool_choice"),
-    *_known("no_effect", "user", "user-1234", note="an end-user id for abuse monitoring"),
-    *_known("no_effect", "safety_identifier", "user-1234", note="an end-user id for abuse monitoring"),
+    *_known("no_effect", "user", "user-1234", note="an end-user id for abuse monitoring", value_type=str),
+    *_known("no_effect", "safety_identifier", "user-1234", note="an end-user id for abuse monitoring",
+            value_type=str),
     # ---- implemented: vLLM's extras ----
     *_implemented("top_k", 5),
     *_implemented("min_p", 0.1),
@@ -183,5 +187,15 @@ def unsupported_field(endpoint: Endpoint, body: dict[str, Any]) -> KnownField | 
     """The first field of ``body`` (in list order) that is unsupported and not off."""
     for known in known_fields(endpoint, "unsupported"):
         if known.name in body and not known.is_off(body[known.name]):
+            return known
+    return None
+
+
+def mistyped_field(endpoint: Endpoint, body: dict[str, Any]) -> KnownField | None:
+    """The first ``no_effect`` field of ``body`` (in list order) whose value is neither
+    ``null`` nor of its ``value_type``."""
+    for known in known_fields(endpoint, "no_effect"):
+        value = body.get(known.name)
+        if value is not None and known.value_type is not None and not isinstance(value, known.value_type):
             return known
     return None

@@ -21,6 +21,12 @@ def _error_cases():
         ("missing model", "/v1/completions", {"prompt": "x"}, 400, "model", None, "model is required"),
         ("wrong type", "/v1/completions", {**ok, "max_tokens": "ten"}, 400, "max_tokens", None, "integer"),
         ("wrong type temperature", "/v1/completions", {**ok, "temperature": "hot"}, 400, "temperature", None, "number"),
+        # accepted and unread, but typed as the API types them
+        ("user a number", "/v1/completions", {**ok, "user": 5}, 400, "user", None,
+         "user: must be a string; got a number"),
+        ("safety_identifier an object", "/v1/chat/completions",
+         {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "safety_identifier": {"id": 1}}, 400,
+         "safety_identifier", None, "safety_identifier: must be a string; got an object"),
         ("temperature -1", "/v1/completions", {**ok, "temperature": -1}, 400, "temperature", None,
          "temperature must be a finite number >= 0"),
         ("temperature 5", "/v1/chat/completions",

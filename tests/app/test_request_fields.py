@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from app.protocol import ChatCompletionRequest, CompletionRequest
-from app.request_fields import ENDPOINTS, KNOWN_FIELDS, known_fields
+from app.request_fields import ENDPOINTS, KNOWN_FIELDS, known_fields, mistyped_field
 from tests.app.conftest import MODEL
 
 MODELS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
@@ -43,6 +43,18 @@ def test_each_implemented_field_changes_the_engine_input_or_the_reply(endpoint):
         base = {**BASE[endpoint], **known.requires}
         changed = _effect(endpoint, {**base, known.name: known.example}) != _effect(endpoint, base)
         assert changed == (known.status == "implemented"), known
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_no_effect_fields_take_only_their_type_or_null(endpoint):
+    no_effect = known_fields(endpoint, "no_effect")
+    assert {f.name for f in no_effect} == {"user", "safety_identifier"}
+    for known in no_effect:
+        assert known.value_type is str and isinstance(known.example, str)
+        for value in (known.example, "", None):
+            assert mistyped_field(endpoint, {known.name: value}) is None
+        for value in (5, True, ["u"], {"id": "u"}):
+            assert mistyped_field(endpoint, {"other": 1, known.name: value}) is known, value
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
