@@ -383,10 +383,12 @@ class LLMEngine:
             self._compiling = []
             outputs = [output for request_id in request_ids
                        if (output := self.output_processor.drop(request_id, error)) is not None]
-            bm = self.block_manager
+            bm, sched = self.block_manager, self.scheduler
             if bm.num_free_blocks != bm.num_blocks or bm.block_tables:
                 raise RuntimeError(f"{bm.num_blocks - bm.num_free_blocks} KV blocks still in use "
                                    "after failing every request")
+            if sched.running or sched.waiting or self.output_processor.states:
+                raise RuntimeError("requests still queued after failing every request")
             bm.check_invariants()
         except Exception as recovery:  # noqa: BLE001 - the engine's state is not trusted
             logger.error("recovery from the failed step failed: %s", _describe(recovery))
