@@ -139,9 +139,9 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     first = max(errors, key=lambda e: (len(e.get("loc", ())), not _is_member_mismatch(e)), default={})
     if first.get("type") == "json_invalid":
         return OpenAIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
-    location = [str(part) for part in first.get("loc", ())[1:]  # drop "body" / "query"
+    location = [part for part in first.get("loc", ())[1:]  # drop "body" / "query"
                 if not _is_union_tag(part)]
-    param = _cut(".".join(location), MAX_PARAM_CHARS) or None  # a dict key can be any length
+    param = _cut(json_path(location), MAX_PARAM_CHARS) or None  # a dict key can be any length
     message = first.get("msg", "invalid request")
     members = _union_members(errors, first)
     if members:  # the value matched no member of a union: say what each would have been
@@ -150,6 +150,9 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
         return OpenAIError(400, f"{param}: must be {listed}; got {json_kind(first.get('input'))}", param)
     if first.get("type") == "missing":
         message = f"{param} is required" if param else "the request body (a JSON object) is required"
+        other = _OTHER_ENDPOINT.get(param)
+        if other is not None and isinstance(getattr(exc, "body", None), dict) and other[0] in exc.body:
+            message += f" ({other[0]} is a field of {other[1]})"
     elif not param:
         message = f"the request body must be a JSON object: {message}"
     elif isinstance(first.get("ctx", {}).get("error"), ValueError):
@@ -157,6 +160,20 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     else:
         message = f"{param}: {message}"
     return OpenAIError(400, message, param)
+
+
+# A required field, and the field that takes its place on the other endpoint: a client that
+# sent one to the wrong endpoint is told where it goes.
+_OTHER_ENDPOINT = {"prompt": ("messages", "/v1/chat/completions"), "messages": ("prompt", "/v1/completions")}
+
+
+def json_path(location) -> str:
+    """A field's place in the body as the API's error messages write it: keys joined by dots,
+    array indices in brackets (``messages[0].content``, ``tools[1].function.name``)."""
+    path = ""
+    for part in location:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path
 
 
 def _union_members(errors, first: dict) -> list[str]:

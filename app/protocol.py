@@ -353,6 +353,25 @@ class TextPart(RequestModel):
     type: Literal["text"] = Field(description="Only 'text' parts are supported.")
     text: str = Field(description="The text.")
 
+    @field_validator("text")
+    @classmethod
+    def _text_is_unicode(cls, value):
+        return _valid_unicode(value)
+
+
+def _valid_unicode(text: str) -> str:
+    """``text``, if it has a UTF-8 encoding (JSON's ``"\\ud800"`` escape decodes to a lone
+    surrogate, which has none: the tokenizer could not read it).
+
+    Raises:
+        ValueError: naming the first character that has no encoding.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text is not valid Unicode ({exc.reason} at character {exc.start})") from None
+    return text
+
 
 class FunctionCall(RequestModel):
     name: str = Field(description="The function called.")
@@ -398,7 +417,7 @@ class ChatMessage(RequestModel):
         if value is None and role is not None and role != "assistant":
             raise ValueError(f"a {role} message needs content (a string or text parts); only an "
                              "assistant's may be null or left out")
-        return value
+        return _valid_unicode(value) if isinstance(value, str) else value
 
     @field_validator("tool_call_id")
     @classmethod

@@ -164,7 +164,7 @@ ECHOES = [
     ("/v1/completions", {"model": MODEL, "prompt": [[1, 2]] * 50_000}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**9] * 8000}, "prompt"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "r" * 200_000, "content": "x"}]},
-     "messages.0.role"),
+     "messages[0].role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                               "logprobs": True, "top_logprobs": 10**4000}, "top_logprobs"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],

@@ -146,14 +146,14 @@ def _envelope(exc) -> dict:
      "tool_choice.function", "tool_choice.function: Input should be a valid dictionary or instance of NamedFunction"),
     ({"tool_choice": "any"}, "tool_choice",
      "tool_choice: must be 'none', 'auto', 'required' or an object; got a string"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content",  # was "an array of TextPart objects"
-     "messages.0.content: must be a string or an array of objects; got a number"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content",  # was "an array of TextPart objects"
+     "messages[0].content: must be a string or an array of objects; got a number"),
     # an array is the right type: its length is what is wrong (was accepted, as an empty message)
-    ({"messages": [{"role": "user", "content": []}]}, "messages.0.content",
-     "messages.0.content: List should have at least 1 item after validation, not 0"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content",
+     "messages[0].content: List should have at least 1 item after validation, not 0"),
     # a part of another type: its type is named (its other keys are unknown to a text part too)
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages.0.content.0.type", "messages.0.content.0.type: Input should be 'text'"),
+     "messages[0].content[0].type", "messages[0].content[0].type: Input should be 'text'"),
 ])
 def test_errors_about_a_union_field_name_it_in_jsons_words(body, param, message):
     with pytest.raises(pydantic.ValidationError) as info:
