@@ -263,8 +263,7 @@ class LLMEngine:
             Its final output (finish_reason 'abort'), ``None`` if the request is unknown.
         """
         self._finish_requests([request_id], RequestStatus.FINISHED_ABORTED, error=None)
-        outputs = self._make_outputs()
-        return outputs[0] if outputs else None
+        return next((o for o in self._make_outputs() if o.request_id == request_id), None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
