@@ -136,7 +136,10 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     # at one depth a member whose type matched (an empty array of parts) says more than the
     # other members' "should be a string".
     errors = exc.errors()
-    first = max(errors, key=lambda e: (len(e.get("loc", ())), not _is_member_mismatch(e)), default={})
+    # And of members that failed at one depth inside an array, the one that got further along
+    # it ([1, "a"]: the array of integers at "a", not the array of strings at 1).
+    first = max(errors, key=lambda e: (len(e.get("loc", ())), not _is_member_mismatch(e),
+                                       [part for part in e.get("loc", ()) if isinstance(part, int)]), default={})
     if first.get("type") == "json_invalid":
         return OpenAIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
     location = [part for part in first.get("loc", ())[1:]  # drop "body" / "query"
@@ -153,6 +156,9 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
         other = _OTHER_ENDPOINT.get(param)
         if other is not None and isinstance(getattr(exc, "body", None), dict) and other[0] in exc.body:
             message += f" ({other[0]} is a field of {other[1]})"
+    elif first.get("type") == "string_unicode":  # a lone surrogate in an object key
+        message = (f"{param or 'the request body'}: holds a key that is not valid Unicode (a lone "
+                   "surrogate such as \\ud800 has no UTF-8 encoding)")
     elif not param:
         message = f"the request body must be a JSON object: {message}"
     elif isinstance(first.get("ctx", {}).get("error"), ValueError):

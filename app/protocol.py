@@ -34,6 +34,11 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# Where tool i's schema sits in the calls' array of tool_choice required (app.tool_calls):
+# an error about it names tools[i] and its schema's own pointers.
+_CALL_SCHEMA_POINTER = re.compile(r"#/items/anyOf/(\d+)/properties/parameters")
+
+
 class RequestModel(BaseModel):
     """A part of a request body, validated as OpenAI's API does rather than with pydantic's
     lax coercion: a value keeps its JSON type (``"10"`` is not an integer, ``1`` not a
@@ -57,6 +62,37 @@ class RequestModel(BaseModel):
         defaulted = {field.alias or name for name, field in cls.model_fields.items()
                      if not field.is_required() and type(None) not in typing.get_args(field.annotation)}
         return {key: value for key, value in data.items() if value is not None or key not in defaulted}
+
+    @field_validator("*")
+    @classmethod
+    def _strings_are_unicode(cls, value):
+        return valid_unicode(value)
+
+
+def valid_unicode(value):
+    """``value``, if every string in it (object keys included) has a UTF-8 encoding: JSON's
+    ``"\\ud800"`` escape decodes to a lone surrogate, which has none, so no tokenizer, hash
+    or schema compiler could read it. Nested request models are not entered (each checks its
+    own fields); the walk is iterative (the nesting depth is checked later).
+
+    Raises:
+        ValueError: where the first such string is.
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                where = "" if item is value else " in a string it holds"
+                raise ValueError(f"not valid Unicode ({exc.reason} at character {exc.start}{where})") from None
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return value
 
 
 class StreamOptions(RequestModel):
@@ -248,7 +284,13 @@ class SamplingRequest(RequestModel):
         source = self._constraint_param
         if param is None or not param.startswith("structured_outputs") or source in (None, "structured_outputs"):
             return message, param
-        return (source + message[len(param):] if message.startswith(param) else message), source
+        message = source + message[len(param):] if message.startswith(param) else message
+        if source == "tools":  # required: the calls' array; name the tool whose schema failed
+            tool = _CALL_SCHEMA_POINTER.search(message)
+            if tool is not None:
+                where = f"tools[{tool.group(1)}].function.parameters"
+                return where + _CALL_SCHEMA_POINTER.sub("#", message.removeprefix(source)), where
+        return message, source
 
     def check_nesting(self) -> None:
         """Checks that no field nests objects and arrays deeper than ``MAX_JSON_DEPTH``.
@@ -353,25 +395,6 @@ class TextPart(RequestModel):
     type: Literal["text"] = Field(description="Only 'text' parts are supported.")
     text: str = Field(description="The text.")
 
-    @field_validator("text")
-    @classmethod
-    def _text_is_unicode(cls, value):
-        return _valid_unicode(value)
-
-
-def _valid_unicode(text: str) -> str:
-    """``text``, if it has a UTF-8 encoding (JSON's ``"\\ud800"`` escape decodes to a lone
-    surrogate, which has none: the tokenizer could not read it).
-
-    Raises:
-        ValueError: naming the first character that has no encoding.
-    """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"the text is not valid Unicode ({exc.reason} at character {exc.start})") from None
-    return text
-
 
 class FunctionCall(RequestModel):
     name: str = Field(description="The function called.")
@@ -417,7 +440,7 @@ class ChatMessage(RequestModel):
         if value is None and role is not None and role != "assistant":
             raise ValueError(f"a {role} message needs content (a string or text parts); only an "
                              "assistant's may be null or left out")
-        return _valid_unicode(value) if isinstance(value, str) else value
+        return value
 
     @field_validator("tool_call_id")
     @classmethod

@@ -212,6 +212,9 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         _check(len(self.stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in self.stop),
                "stop", f"at most {MAX_STOP_STRINGS} non-empty strings", self.stop)
+        # decoded text never holds a lone surrogate: such a stop string could never match
+        _check(all(_is_utf8_encodable(s) for s in self.stop), "stop",
+               "valid Unicode (a lone surrogate has no UTF-8 encoding)", self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.top_k == 0:

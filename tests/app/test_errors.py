@@ -84,13 +84,30 @@ def _error_cases():
         # every request got 503 until Serve replaced the replica
         ("lone surrogate in cache_salt", "/v1/chat/completions",
          '{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "cache_salt": "\\ud800"}' % MODEL, 400,
-         "cache_salt", None, "cache_salt must be valid Unicode (a lone surrogate has no UTF-8 encoding); got "),
+         "cache_salt", None, "cache_salt: not valid Unicode (surrogates not allowed at character 0)"),
         ("lone surrogate in chat", "/v1/chat/completions",
          '{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % MODEL, 400, "messages[0].content",
-         None, "messages[0].content: the text is not valid Unicode (surrogates not allowed at character 0)"),
+         None, "messages[0].content: not valid Unicode (surrogates not allowed at character 0)"),
         ("lone surrogate in a text part", "/v1/chat/completions",
          '{"model": "%s", "messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udc00"}]}]}'
-         % MODEL, 400, "messages[0].content[0].text", None, "the text is not valid Unicode"),
+         % MODEL, 400, "messages[0].content[0].text", None, "messages[0].content[0].text: not valid Unicode"),
+        ("lone surrogate in a tool call's arguments", "/v1/chat/completions",
+         '{"model": "%s", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": '
+         '[{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\\"a\\": \\"\\ud800\\"}"}}]}]}'
+         % MODEL, 400, "messages[1].tool_calls[0].function.arguments", None,
+         "messages[1].tool_calls[0].function.arguments: not valid Unicode (surrogates not allowed at character 7)"),
+        ("lone surrogate in a schema's key", "/v1/chat/completions",
+         '{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", '
+         '"function": {"name": "f", "parameters": {"type": "object", "properties": {"\\ud800": {}}}}}]}' % MODEL,
+         400, "tools[0].function.parameters", None, "not valid Unicode (surrogates not allowed at character 0 in a "
+         "string it holds)"),
+        ("lone surrogate in a top-level key", "/v1/chat/completions",
+         '{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "\\ud800": 1}' % MODEL, 400, None, None,
+         "the request body: holds a key that is not valid Unicode"),
+        # would never match the decoded text (which has no lone surrogates): silently ignored
+        ("lone surrogate in stop", "/v1/chat/completions",
+         '{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "stop": ["ok", "\\ud800"]}' % MODEL, 400,
+         "stop", None, "stop: not valid Unicode (surrogates not allowed at character 0 in a string it holds)"),
         ("tiny repetition_penalty", "/v1/completions", {**ok, "repetition_penalty": 1e-45}, 400,
          "repetition_penalty", None, "repetition_penalty must be in [0.01, 100]"),
         ("infinite temperature", "/v1/completions",

@@ -163,6 +163,19 @@ def test_errors_about_a_union_field_name_it_in_jsons_words(body, param, message)
     assert (error["param"], error["message"]) == (param, message)
 
 
+@pytest.mark.parametrize(("prompt", "param", "message"), [
+    (["a", 5], "prompt[1]", "prompt[1]: Input should be a valid string"),  # was prompt[0], the "a"
+    ([1, "a"], "prompt[1]", "prompt[1]: Input should be a valid integer"),
+    ([[1, 2], [3, "a"]], "prompt[1][1]", "prompt[1][1]: Input should be a valid integer"),
+])
+def test_a_mixed_array_names_the_element_that_does_not_fit(prompt, param, message):
+    with pytest.raises(pydantic.ValidationError) as info:
+        CompletionRequest.model_validate({"model": "m", "prompt": prompt})
+    errors = [{**error, "loc": ("body", *error["loc"])} for error in info.value.errors()]
+    error = _envelope(_validation_error(RequestValidationError(errors)))
+    assert (error["param"], error["message"]) == (param, message)
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ('{"seed": %s}' % ("9" * 5000), "the body could not be parsed as JSON: Exceeds the limit (4300 digits) for "
      "integer string conversion: value has 5000 digits"),
