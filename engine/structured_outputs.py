@@ -53,6 +53,7 @@ def grammar_of(params: StructuredOutputsParams) -> xgr.Grammar:
     any_whitespace = not params.disable_any_whitespace
     try:
         if kind == "json":
+            check_references(json.loads(value) if isinstance(value, str) else value)
             schema = value if isinstance(value, str) else json.dumps(value)
             return xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
         if kind == "json_object":  # any object: not strict, or {"type": "object"} allows only {}
@@ -68,6 +69,48 @@ def grammar_of(params: StructuredOutputsParams) -> xgr.Grammar:
     except (RuntimeError, ValueError, TypeError, pydantic.ValidationError) as exc:
         raise InvalidRequestError(f"structured_outputs.{kind}: {_reason(exc)}",
                                   f"structured_outputs.{kind}") from None
+
+
+# JSON Schema keywords whose value is data, not a subschema (a "$ref" key in it is a value),
+# and those whose value maps names (not keywords) to subschemas.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def check_references(schema) -> None:
+    """Refuse the references xgrammar would not enforce. It resolves a ``$ref`` that is a JSON
+    pointer into the schema itself (``"#"``, ``"#/$defs/Address"``); an anchor (``"#foo"``),
+    a URI (against ``$id``), an empty reference and ``$dynamicRef`` / ``$recursiveRef`` it
+    leaves unconstrained (xgrammar 0.1: any value passes), which would hand the client output
+    its schema refuses.
+
+    Raises:
+        ValueError: naming the first such reference.
+    """
+    stack = [(schema, "#")]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, list):
+            stack.extend((sub, f"{where}/{i}") for i, sub in enumerate(item))
+            continue
+        if not isinstance(item, dict):
+            continue
+        for key, sub in item.items():
+            if key == "$ref" and isinstance(sub, str) and not (sub == "#" or sub.startswith("#/")):
+                raise ValueError(f"$ref {json.dumps(sub)} at {where}: only references into the schema "
+                                 "itself (\"#\" or a JSON pointer \"#/...\") are supported")
+            if key in ("$dynamicRef", "$recursiveRef"):
+                raise ValueError(f"{key} at {where} is not supported; use $ref with a JSON pointer (\"#/...\")")
+            path = f"{where}/{_pointer_token(key)}"
+            if key in _SCHEMA_MAPS and isinstance(sub, dict):
+                stack.extend((value, f"{path}/{_pointer_token(name)}") for name, value in sub.items())
+            elif key not in _DATA_KEYWORDS:
+                stack.append((sub, path))
+
+
+def _pointer_token(key) -> str:
+    """``key`` as one JSON pointer token (RFC 6901: ``~`` as ``~0``, ``/`` as ``~1``)."""
+    return str(key).replace("~", "~0").replace("/", "~1")
 
 
 def _reason(exc: Exception) -> str:

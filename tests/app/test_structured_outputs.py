@@ -266,6 +266,26 @@ def test_references_into_a_tools_own_properties_and_root_are_rebased():
     xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
 
 
+def test_an_error_in_the_calls_schema_names_the_tool_and_its_own_pointer():
+    from app.protocol import ChatCompletionRequest
+    from engine.errors import InvalidRequestError
+    from engine.structured_outputs import grammar_of
+
+    request = ChatCompletionRequest.model_validate({
+        "model": MODEL, "messages": QUESTION, "tool_choice": "required",
+        "tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}}]})
+    with pytest.raises(InvalidRequestError) as raised:  # the engine's compile, xgrammar's words
+        grammar_of(request.structured_outputs_params())
+    engine_message = str(raised.value)
+    assert "#/items/anyOf/1/properties/parameters/$defs/A" in engine_message
+    assert request.client_param(engine_message, raised.value.param) == (
+        "tools[1].function.parameters: Cannot find field '$defs' in #/$defs/A", "tools[1].function.parameters")
+    # an error that names no tool's schema stays the tools' (the calls' array as a whole)
+    assert request.client_param("structured_outputs.json: too deep", "structured_outputs.json") == (
+        "tools: too deep", "tools")
+
+
 def test_a_tool_with_definitions_is_called_when_required(client):
     message, finish_reason = _chat(client, False, tools=[SHIP, SHIP_AGAIN], tool_choice="required", temperature=0,
                                    parallel_tool_calls=False, max_tokens=60,
@@ -297,9 +317,18 @@ BAD = [
     # was a 500 (the required array's scanner found no object where a call's arguments begin)
     ("/v1/chat/completions", {"tools": [TOOLS[0], {"type": "function", "function": {
         "name": "g", "parameters": {"type": "string"}}}], "tool_choice": "required"}, "tools[1].function.parameters"),
-    # a reference to nothing: the calls' schema is the tools' together
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}}], "tool_choice": "required"}, "tools"),
+    # references xgrammar would leave unconstrained (an anchor): refused, naming the field
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#a"}}, "$defs": {"A": {"$anchor": "a"}}}}}},
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#a"}}, "$defs": {"A": {"$anchor": "a"}}}}}],
+        "tool_choice": "required"}, "tools[1].function.parameters"),
+    # a reference to nothing, in the second tool: the calls' schema is the tools' together, and
+    # the error names the tool whose schema failed
+    ("/v1/chat/completions", {"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}}], "tool_choice": "required"},
+     "tools[1].function.parameters"),
 ]
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
+from engine.structured_outputs import check_references, grammar_of
 from tests.engine.conftest import assert_idle
 
 # A nested object, an enum, an integer range and an array with minItems (the issue's list);
@@ -203,6 +204,28 @@ def test_invalid_constraints_are_value_errors_naming_the_field(llm, constraint, 
         llm.llm_engine.add_request("bad", "x", SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)))
     assert info.value.param == param
     assert_idle(llm)
+
+
+@pytest.mark.parametrize("schema, message", [
+    # xgrammar left these unconstrained (any value passed): refused instead
+    ({"properties": {"x": {"$ref": "#foo"}}, "$defs": {"A": {"$anchor": "foo", "type": "integer"}}},
+     '$ref "#foo" at #/properties/x: only references into the schema itself'),
+    ({"$id": "https://example.com/s", "$defs": {"A": {"type": "integer"}},
+      "properties": {"x": {"$ref": "https://example.com/s#/$defs/A"}}}, '$ref "https://example.com/s#/$defs/A" at'),
+    ({"properties": {"x": {"$ref": ""}}}, '$ref "" at #/properties/x'),
+    ({"properties": {"a/b~": {"type": "array", "items": [{"$dynamicRef": "#n"}]}}},
+     "$dynamicRef at #/properties/a~1b~0/items/0 is not supported"),
+])
+def test_references_xgrammar_would_not_enforce_are_refused(schema, message):
+    with pytest.raises(ValueError, match=re.escape("structured_outputs.json: " + message)) as info:
+        grammar_of(StructuredOutputsParams(json={"type": "object", **schema}))
+    assert info.value.param == "structured_outputs.json"
+
+
+def test_references_into_the_schema_and_ref_lookalikes_are_compiled():
+    check_references({"type": "object", "$defs": {"A": {"type": "integer"}}, "properties": {
+        "a": {"$ref": "#/$defs/A"}, "b": {"$ref": "#"}, "$ref": {"type": "string"},  # a property named $ref
+        "c": {"const": {"$ref": "#anchor"}}, "d": {"enum": [{"$ref": ""}]}, "e": {"default": {"$dynamicRef": "#n"}}}})
 
 
 @pytest.mark.parametrize("kwargs, param", [
