@@ -128,6 +128,7 @@ def test_invalid_parameters_name_the_field_and_range():
              (dict(repetition_penalty=1e-45), r"repetition_penalty must be in \[0.01, 100\]"),
              (dict(logprobs=21), r"logprobs must be in \[0, 20\]"),
              (dict(stop=[""]), "stop must be at most 16 non-empty strings"),
+             (dict(stop=["ok", "\ud800"]), r"stop must be valid Unicode \(a lone surrogate has no UTF-8"),
              (dict(logit_bias={1: 101}), r"bias in \[-100, 100\]"),
              (dict(min_tokens=5, max_tokens=4), r"min_tokens must be >= 0 and <= max_tokens \(4\)")]
     for kwargs, message in cases:
