@@ -200,17 +200,17 @@ _TYPE_NAMES = {"str": ("a string", "strings"), "int": ("an integer", "integers")
 
 def _describe_member(tag: str) -> list[str]:
     """A union member's tag as the values it takes, in JSON's words: ``literal['a','b']`` ->
-    ``["'a'", "'b'"]``, else ``[_describe_type(tag)]``."""
+    ``["'a'", "'b'"]``, else ``[describe_type(tag)]``."""
     if tag.startswith("literal[") and tag.endswith("]"):
         return [choice.strip() for choice in tag[len("literal["):-1].split(",")]
-    return [_describe_type(tag)]
+    return [describe_type(tag)]
 
 
-def _describe_type(tag: str, plural: bool = False) -> str:
+def describe_type(tag: str, plural: bool = False) -> str:
     """A union tag in JSON's words: ``list[list[int]]`` -> "an array of arrays of integers",
     ``list[TextPart]`` -> "an array of objects"."""
     if tag.startswith("list[") and tag.endswith("]"):
-        return ("arrays of " if plural else "an array of ") + _describe_type(tag[5:-1], plural=True)
+        return ("arrays of " if plural else "an array of ") + describe_type(tag[5:-1], plural=True)
     one, many = _TYPE_NAMES.get(tag, ("an object", "objects"))  # a request model: not its class name
     return many if plural else one
 

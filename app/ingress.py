@@ -24,6 +24,7 @@ from app.dashboard import page
 from app.errors import (
     OpenAIError,
     client_closed,
+    describe_type,
     from_exception,
     install_error_handlers,
     json_kind,
@@ -246,7 +247,7 @@ class OpenAIIngress:
         extra = body.model_extra or {}
         field = mistyped_field(endpoint, extra)
         if field is not None:  # accepted unread, but still the API's type (a model field's 400)
-            expected = {str: "a string", int: "an integer", bool: "a boolean"}[field.value_type]
+            expected = describe_type(field.value_type.__name__)
             raise OpenAIError(400, f"{field.name}: must be {expected}; got {json_kind(extra[field.name])}",
                               param=field.name)
         field = unsupported_field(endpoint, extra)

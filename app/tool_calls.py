@@ -23,6 +23,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from engine.json_schema import DATA_KEYWORDS, SCHEMA_MAPS, is_local_ref
 from engine.tool_calls import TOOL_CALL_END, TOOL_CALL_START, parse_tool_calls
 
 
@@ -39,12 +40,6 @@ class ToolMode:
     kind: str
     name: str | None = None
     parallel: bool = True
-
-
-# JSON Schema keywords whose value is data, not a subschema: a "$ref" key in it is no reference.
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-# Keywords whose value maps names to subschemas: the names are not keywords.
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def tool_constraint(functions: list[dict], mode: ToolMode, parallel_tool_calls: bool) -> dict | None:
@@ -84,11 +79,11 @@ def rebase_refs(schema, base: str):
         return schema
     rebased = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+        if key == "$ref" and is_local_ref(value):
             rebased[key] = "#" + base + value[1:]
-        elif key in _DATA_KEYWORDS:
+        elif key in DATA_KEYWORDS:
             rebased[key] = value
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
             rebased[key] = {name: rebase_refs(sub, base) for name, sub in value.items()}
         else:
             rebased[key] = rebase_refs(value, base)

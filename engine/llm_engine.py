@@ -357,10 +357,7 @@ class LLMEngine:
         could not be built (its sequences finished, blocks freed)."""
         outputs = self.output_processor.make_outputs()
         for request_id, error in self.output_processor.pop_failed().items():
-            for seq_id in self.output_processor.seq_ids(request_id):
-                sequence = self.scheduler.finish_request(seq_id, RequestStatus.FINISHED_ERROR)
-                if sequence is not None:
-                    sequence.error = error
+            self._finish_requests([request_id], RequestStatus.FINISHED_ERROR, error)
             output = self.output_processor.drop(request_id, error)
             if output is not None:
                 outputs.append(output)

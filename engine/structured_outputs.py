@@ -31,6 +31,7 @@ import torch
 import xgrammar as xgr
 
 from engine.errors import InvalidRequestError
+from engine.json_schema import DATA_KEYWORDS, SCHEMA_MAPS, is_local_ref, pointer_token
 from engine.sampling_params import StructuredOutputsParams
 from engine.scheduler_output import SamplingRow
 
@@ -71,12 +72,6 @@ def grammar_of(params: StructuredOutputsParams) -> xgr.Grammar:
                                   f"structured_outputs.{kind}") from None
 
 
-# JSON Schema keywords whose value is data, not a subschema (a "$ref" key in it is a value),
-# and those whose value maps names (not keywords) to subschemas.
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-
-
 def check_references(schema) -> None:
     """Refuse the references xgrammar would not enforce. It resolves a ``$ref`` that is a JSON
     pointer into the schema itself (``"#"``, ``"#/$defs/Address"``); an anchor (``"#foo"``),
@@ -96,21 +91,16 @@ def check_references(schema) -> None:
         if not isinstance(item, dict):
             continue
         for key, sub in item.items():
-            if key == "$ref" and isinstance(sub, str) and not (sub == "#" or sub.startswith("#/")):
+            if key == "$ref" and isinstance(sub, str) and not is_local_ref(sub):
                 raise ValueError(f"$ref {json.dumps(sub)} at {where}: only references into the schema "
                                  "itself (\"#\" or a JSON pointer \"#/...\") are supported")
             if key in ("$dynamicRef", "$recursiveRef"):
                 raise ValueError(f"{key} at {where} is not supported; use $ref with a JSON pointer (\"#/...\")")
-            path = f"{where}/{_pointer_token(key)}"
-            if key in _SCHEMA_MAPS and isinstance(sub, dict):
-                stack.extend((value, f"{path}/{_pointer_token(name)}") for name, value in sub.items())
-            elif key not in _DATA_KEYWORDS:
+            path = f"{where}/{pointer_token(key)}"
+            if key in SCHEMA_MAPS and isinstance(sub, dict):
+                stack.extend((value, f"{path}/{pointer_token(name)}") for name, value in sub.items())
+            elif key not in DATA_KEYWORDS:
                 stack.append((sub, path))
-
-
-def _pointer_token(key) -> str:
-    """``key`` as one JSON pointer token (RFC 6901: ``~`` as ``~0``, ``/`` as ``~1``)."""
-    return str(key).replace("~", "~0").replace("/", "~1")
 
 
 def _reason(exc: Exception) -> str:
