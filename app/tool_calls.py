@@ -44,12 +44,14 @@ class ToolMode:
 
 def tool_constraint(functions: list[dict], mode: ToolMode, parallel_tool_calls: bool) -> dict | None:
     """``StructuredOutputsParams`` kwargs that force a call (``named``, ``required``),
-    ``None`` for ``auto``. A schema without a ``type`` gets ``"type": "object"``.
+    ``None`` for ``auto``. A schema without a ``type`` gets ``"type": "object"``, unless it
+    is a reference or a combination (``$ref``, ``anyOf``, ``oneOf``, ``allOf``), where xgrammar
+    would apply that and not the type (``engine.structured_outputs.check_enforceable``).
 
     Args:
         functions: the tools' function definitions (``name``, ``parameters``).
     """
-    parameters = {f["name"]: {"type": "object", **(f.get("parameters") or {})} for f in functions}
+    parameters = {f["name"]: _object_schema(f.get("parameters") or {}) for f in functions}
     if mode.kind == "named":
         return {"json": parameters[mode.name], "disable_any_whitespace": True}
     if mode.kind != "required":
@@ -65,6 +67,12 @@ def tool_constraint(functions: list[dict], mode: ToolMode, parallel_tool_calls: 
     if not parallel_tool_calls:
         schema["maxItems"] = 1
     return {"json": schema, "disable_any_whitespace": True}
+
+
+def _object_schema(schema: dict) -> dict:
+    if "type" in schema or any(key in schema for key in ("$ref", "anyOf", "oneOf", "allOf")):
+        return schema
+    return {"type": "object", **schema}
 
 
 def rebase_refs(schema, base: str):

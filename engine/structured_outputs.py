@@ -54,7 +54,7 @@ def grammar_of(params: StructuredOutputsParams) -> xgr.Grammar:
     any_whitespace = not params.disable_any_whitespace
     try:
         if kind == "json":
-            check_references(json.loads(value) if isinstance(value, str) else value)
+            check_enforceable(json.loads(value) if isinstance(value, str) else value)
             schema = value if isinstance(value, str) else json.dumps(value)
             return xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
         if kind == "json_object":  # any object: not strict, or {"type": "object"} allows only {}
@@ -72,21 +72,72 @@ def grammar_of(params: StructuredOutputsParams) -> xgr.Grammar:
                                   f"structured_outputs.{kind}") from None
 
 
-def check_references(schema) -> None:
-    """Refuse the references xgrammar would not enforce. It resolves a ``$ref`` that is a JSON
-    pointer into the schema itself (``"#"``, ``"#/$defs/Address"``); an anchor (``"#foo"``),
-    a URI (against ``$id``), an empty reference and ``$dynamicRef`` / ``$recursiveRef`` it
-    leaves unconstrained (xgrammar 0.1: any value passes), which would hand the client output
-    its schema refuses.
+# What xgrammar 0.2 leaves unenforced in a JSON schema (any value passes it), measured by
+# feeding its grammar a value the keyword forbids; tests/engine/test_structured_outputs.py
+# keeps each fact true (test_xgrammar_still_ignores_what_is_refused). Refused rather than
+# compiled: a constraint that is not enforced would hand the client output its schema refuses.
+UNENFORCED_KEYWORDS = frozenset({"contains", "minContains", "maxContains", "dependencies", "dependentRequired",
+                                 "dependentSchemas", "if", "then", "else", "not"})
+# Formats whose strings xgrammar checks; any other "format" on a string is not enforced.
+ENFORCED_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+                              "uri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer"})
+# Keywords that, in one schema object, make xgrammar ignore every other assertion there:
+# "$ref" above all, then "enum" / "const", then "anyOf" / "oneOf" / "allOf".
+_COMBINATORS = ("anyOf", "oneOf", "allOf")
+# JSON Schema 2020-12's assertion and applicator keywords (+ draft 7's "dependencies" and
+# "additionalItems"); anything else in a schema object is an annotation or unknown, and both
+# are ignored by the specification too.
+_ASSERTIONS = frozenset({
+    "$ref", "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+    "maxLength", "minLength", "pattern", "format", "maxItems", "minItems", "uniqueItems", "maxContains", "minContains",
+    "contains", "items", "prefixItems", "additionalItems", "unevaluatedItems", "maxProperties", "minProperties",
+    "required", "properties", "patternProperties", "additionalProperties", "propertyNames", "unevaluatedProperties",
+    "dependentRequired", "dependentSchemas", "dependencies", "allOf", "anyOf", "oneOf", "not", "if", "then", "else"})
+# Keywords xgrammar applies only when "type" names their kind (or, for objects and arrays,
+# "properties" / "items" imply it). "format" is not among them: on another type it is an
+# annotation ("format": "int32" on an integer), as JSON Schema has it.
+_TYPED = {"number": ("multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum"),
+          "string": ("maxLength", "minLength", "pattern"),
+          "object": ("required", "maxProperties", "minProperties", "additionalProperties", "patternProperties",
+                     "propertyNames", "unevaluatedProperties"),
+          "array": ("maxItems", "minItems", "uniqueItems", "unevaluatedItems")}
+# Where a schema object holds subschemas: one, a list of them, or a map of names to them.
+_ONE_SCHEMA = frozenset({"items", "additionalItems", "unevaluatedItems", "contains", "additionalProperties",
+                         "unevaluatedProperties", "propertyNames", "not", "if", "then", "else"})
+_SCHEMA_LISTS = frozenset({"prefixItems", "allOf", "anyOf", "oneOf", "items"})
+
+
+def check_enforceable(schema) -> None:
+    """Refuse a JSON schema that xgrammar would compile but not enforce in full.
+
+    - references: xgrammar resolves a ``$ref`` that is a JSON pointer into the schema itself
+      (``"#"``, ``"#/$defs/Address"``); an anchor (``"#foo"``), a URI (against ``$id``), an
+      empty reference and ``$dynamicRef`` / ``$recursiveRef`` it leaves unconstrained;
+    - keywords it ignores: ``contains`` / ``minContains`` / ``maxContains``, ``dependencies``
+      / ``dependentRequired`` / ``dependentSchemas``, ``if`` / ``then`` / ``else``, ``not``,
+      ``uniqueItems: true``, ``allOf`` of more than one schema, ``multipleOf`` on a
+      ``"number"`` or with a fractional divisor, a string ``format`` outside
+      ``ENFORCED_FORMATS``;
+    - keywords beside ``$ref``, ``anyOf``, ``oneOf`` or ``allOf`` in one schema object (it
+      applies only the reference or the combinator); beside ``enum`` / ``const`` they pass
+      when every listed value satisfies them (then they add nothing);
+    - type-specific keywords (``minimum``, ``maxLength``, ``required``, ``minItems``, ...) in
+      a schema object whose ``"type"`` does not name that kind.
+
+    Args:
+        schema: the decoded schema (dict; a boolean or anything else has nothing to check).
 
     Raises:
-        ValueError: naming the first such reference.
+        ValueError: naming the first such keyword, its JSON pointer in ``schema`` and the fix.
     """
-    stack = [(schema, "#")]
+    root_validator = None
+    # (value, its JSON pointer, whether it is a schema: None if not, else the kind of value it
+    # applies to when that is implied, "string" for propertyNames' schema, "" for any)
+    stack = [(schema, "#", "")]
     while stack:
-        item, where = stack.pop()
+        item, where, kind = stack.pop()
         if isinstance(item, list):
-            stack.extend((sub, f"{where}/{i}") for i, sub in enumerate(item))
+            stack.extend((sub, f"{where}/{i}", None) for i, sub in enumerate(item))
             continue
         if not isinstance(item, dict):
             continue
@@ -96,11 +147,79 @@ def check_references(schema) -> None:
                                  "itself (\"#\" or a JSON pointer \"#/...\") are supported")
             if key in ("$dynamicRef", "$recursiveRef"):
                 raise ValueError(f"{key} at {where} is not supported; use $ref with a JSON pointer (\"#/...\")")
+        if kind is not None:
+            root_validator = _check_keywords(item, where, kind, schema, root_validator)
+        for key, sub in item.items():
             path = f"{where}/{pointer_token(key)}"
             if key in SCHEMA_MAPS and isinstance(sub, dict):
-                stack.extend((value, f"{path}/{pointer_token(name)}") for name, value in sub.items())
+                stack.extend((value, f"{path}/{pointer_token(name)}", "") for name, value in sub.items())
+            elif key in _SCHEMA_LISTS and isinstance(sub, list):
+                stack.extend((value, f"{path}/{i}", "") for i, value in enumerate(sub))
             elif key not in DATA_KEYWORDS:
-                stack.append((sub, path))
+                schema_kind = ("string" if key == "propertyNames" else "") if key in _ONE_SCHEMA else None
+                stack.append((sub, path, schema_kind if kind is not None else None))
+
+
+def _not_enforced(keyword: str, where: str, fix: str) -> ValueError:
+    return ValueError(f"{keyword} at {where} is not enforced by the grammar engine (xgrammar), so the output "
+                      f"would not be checked against it; {fix}")
+
+
+def _check_keywords(node: dict, where: str, implied_kind: str, root, root_validator):
+    """One schema object's keywords (``check_enforceable``); ``implied_kind`` is the kind of
+    value it applies to where its place implies one ("string" in ``propertyNames``), else
+    "". Returns the root's jsonschema validator once it was needed (built once a schema)."""
+    for key in node:
+        if key in UNENFORCED_KEYWORDS:
+            raise _not_enforced(json.dumps(key), where, "remove it")
+    if node.get("uniqueItems") is True:
+        raise _not_enforced('"uniqueItems": true', where, "remove it")
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        raise _not_enforced(f"allOf of {len(node['allOf'])} schemas", where, "merge them into one schema")
+    assertions = [key for key in node if key in _ASSERTIONS]
+    listed = "enum" in node or "const" in node  # these win over a combinator, not over "$ref"
+    for dominant in ("$ref",) + (() if listed else _COMBINATORS):
+        others = [key for key in assertions if key != dominant]
+        if dominant in node and others:
+            raise _not_enforced(json.dumps(others[0]) + f" beside {json.dumps(dominant)}", where,
+                                f"move it into the schema that {json.dumps(dominant)} points to")
+    for key in ("enum", "const"):
+        if key in node and len(assertions) > 1:
+            values = node[key] if key == "enum" and isinstance(node[key], list) else [node[key]]
+            rest = {k: v for k, v in node.items() if k not in ("enum", "const")}
+            if root_validator is None:
+                import jsonschema
+                root_validator = jsonschema.Draft202012Validator(root if isinstance(root, dict) else {})
+            for value in values:
+                try:
+                    valid = root_validator.evolve(schema=rest).is_valid(value)
+                except Exception as exc:  # noqa: BLE001 - jsonschema's errors for a schema it cannot apply
+                    raise ValueError(f"the keywords beside {json.dumps(key)} at {where} are not a valid "
+                                     f"schema: {exc}") from None
+                if not valid:
+                    raise _not_enforced(f"{key} value {json.dumps(value)} failing its sibling keywords", where,
+                                        f"remove the value from {json.dumps(key)} (xgrammar would generate it)")
+            return root_validator
+    declared = node.get("type")
+    declared = set(declared) if isinstance(declared, list) else {declared}
+    types = set(declared)
+    implied = {"object"} if "properties" in node else {"array"} if "items" in node or "prefixItems" in node else set()
+    implied.add(implied_kind)
+    if "integer" in types:
+        types.add("number")
+    for kind, keywords in _TYPED.items():
+        for key in keywords:
+            if key in node and kind not in types | implied:
+                raise _not_enforced(json.dumps(key), where, f'add "type": "{kind}" beside it')
+    divisor = node.get("multipleOf")
+    if isinstance(divisor, (int, float)) and ("number" in declared or not float(divisor).is_integer()):
+        raise _not_enforced(f'"multipleOf": {json.dumps(divisor)}', where,
+                            'it is enforced on "type": "integer" with a whole divisor only')
+    fmt = node.get("format")
+    if fmt is not None and "string" in types and fmt not in ENFORCED_FORMATS:
+        raise _not_enforced(f'"format": {json.dumps(fmt)}', where,
+                            "the formats checked are " + ", ".join(sorted(ENFORCED_FORMATS)))
+    return root_validator
 
 
 def _reason(exc: Exception) -> str:

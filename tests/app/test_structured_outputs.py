@@ -241,6 +241,11 @@ def test_required_calls_keep_each_tools_definitions():
     # a tool forced by name keeps its schema whole
     named = tool_constraint([SHIP["function"]], ToolMode("named", "ship"), True)["json"]
     assert named == SHIP["function"]["parameters"]
+    # a reference at the top gets no "type" beside it (xgrammar would apply only the reference)
+    ref = {"$ref": "#/$defs/A", "$defs": {"A": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
+    assert tool_constraint([{"name": "r", "parameters": ref}], ToolMode("named", "r"), True)["json"] == ref
+    assert tool_constraint([{"name": "p", "parameters": {}}], ToolMode("named", "p"), True)["json"] == {
+        "type": "object"}
 
 
 def test_references_into_a_tools_own_properties_and_root_are_rebased():
@@ -281,6 +286,17 @@ def test_an_error_in_the_calls_schema_names_the_tool_and_its_own_pointer():
     assert "#/items/anyOf/1/properties/parameters/$defs/A" in engine_message
     assert request.client_param(engine_message, raised.value.param) == (
         "tools[1].function.parameters: Cannot find field '$defs' in #/$defs/A", "tools[1].function.parameters")
+    # a keyword xgrammar would not enforce, in the second tool: named with the tool's own pointer
+    request = ChatCompletionRequest.model_validate({
+        "model": MODEL, "messages": QUESTION, "tool_choice": "required",
+        "tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}]})
+    with pytest.raises(InvalidRequestError) as raised:
+        grammar_of(request.structured_outputs_params())
+    assert request.client_param(str(raised.value), raised.value.param) == (
+        'tools[1].function.parameters: "uniqueItems": true at #/properties/a is not enforced by the grammar '
+        "engine (xgrammar), so the output would not be checked against it; remove it",
+        "tools[1].function.parameters")
     # an error that names no tool's schema stays the tools' (the calls' array as a whole)
     assert request.client_param("structured_outputs.json: too deep", "structured_outputs.json") == (
         "tools: too deep", "tools")
@@ -323,6 +339,13 @@ BAD = [
      "response_format.json_schema.schema"),
     ("/v1/chat/completions", {"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"$ref": "#a"}}, "$defs": {"A": {"$anchor": "a"}}}}}],
+        "tool_choice": "required"}, "tools[1].function.parameters"),
+    # keywords xgrammar would leave unenforced: refused, naming the field
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}}}}},
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}],
         "tool_choice": "required"}, "tools[1].function.parameters"),
     # a reference to nothing, in the second tool: the calls' schema is the tools' together, and
     # the error names the tool whose schema failed

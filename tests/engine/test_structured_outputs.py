@@ -13,7 +13,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
-from engine.structured_outputs import check_references, grammar_of
+from engine.structured_outputs import check_enforceable, grammar_of
 from tests.engine.conftest import assert_idle
 
 # A nested object, an enum, an integer range and an array with minItems (the issue's list);
@@ -223,9 +223,115 @@ def test_references_xgrammar_would_not_enforce_are_refused(schema, message):
 
 
 def test_references_into_the_schema_and_ref_lookalikes_are_compiled():
-    check_references({"type": "object", "$defs": {"A": {"type": "integer"}}, "properties": {
+    check_enforceable({"type": "object", "$defs": {"A": {"type": "integer"}}, "properties": {
         "a": {"$ref": "#/$defs/A"}, "b": {"$ref": "#"}, "$ref": {"type": "string"},  # a property named $ref
         "c": {"const": {"$ref": "#anchor"}}, "d": {"enum": [{"$ref": ""}]}, "e": {"default": {"$dynamicRef": "#n"}}}})
+
+
+_VALIDATOR = jsonschema.Draft202012Validator
+# (schema, a value it forbids that xgrammar's grammar of it accepts, the refusal's words)
+NOT_ENFORCED = [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1], '"uniqueItems": true at #'),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, [1], '"contains" at #'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, {"a": 1}, '"dependentRequired" at #'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentSchemas": {"a": {"required": ["b"]}}}, {"a": 1}, '"dependentSchemas" at #'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "if": {"properties": {"a": {"const": 1}}},
+      "then": {"required": ["b"]}}, {"a": 1}, '"if" at #'),
+    ({"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}}, {"n": 3},
+     '"not" at #/properties/n'),
+    ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, 3, "allOf of 2 schemas at #"),
+    ({"type": "number", "multipleOf": 0.5}, 0.3, '"multipleOf": 0.5 at #'),
+    ({"type": "number", "multipleOf": 2}, 3, '"multipleOf": 2 at #'),
+    ({"type": "integer", "multipleOf": 2.5}, 3, '"multipleOf": 2.5 at #'),
+    ({"type": "string", "format": "regex"}, "(", '"format": "regex" at #'),
+    ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2}, "abc",
+     '"maxLength" beside "$ref" at #'),
+    ({"$defs": {"s": {"type": "integer"}}, "const": "a", "$ref": "#/$defs/s"}, 3, '"const" beside "$ref" at #'),
+    ({"type": "integer", "minimum": 5, "anyOf": [{"type": "integer"}]}, 3, '"type" beside "anyOf" at #'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+      "oneOf": [{"required": ["b"]}, {"required": ["c"]}]}, {"a": 1}, '"type" beside "oneOf" at #'),
+    ({"type": "object", "properties": {"a": {"enum": [1, 2, "x"], "type": "integer"}}}, {"a": "x"},
+     'enum value "x" failing its sibling keywords at #/properties/a'),
+    ({"const": "abc", "maxLength": 2}, "abc", 'const value "abc" failing its sibling keywords at #'),
+    ({"type": "object", "properties": {"a": {"minimum": 5}}}, {"a": 3}, '"minimum" at #/properties/a'),
+    ({"minLength": 3}, "ab", '"minLength" at #'),
+    ({"required": ["a"]}, {}, '"required" at #'),
+]
+
+
+@pytest.mark.parametrize("schema, value, message", NOT_ENFORCED, ids=[m for _, _, m in NOT_ENFORCED])
+def test_keywords_xgrammar_does_not_enforce_are_refused(schema, value, message):
+    """Each refusal rests on a fact measured on xgrammar itself: its grammar of the schema
+    accepts a value the schema forbids. If an upgrade of xgrammar enforces one, this fails
+    and the refusal can go."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+    assert not _VALIDATOR(schema, format_checker=_VALIDATOR.FORMAT_CHECKER).is_valid(value)
+    assert _is_grammar_accept_string(xgr.Grammar.from_json_schema(schema), json.dumps(value))
+    with pytest.raises(ValueError, match=re.escape("structured_outputs.json: " + message)) as info:
+        grammar_of(StructuredOutputsParams(json=schema))
+    assert info.value.param == "structured_outputs.json"
+    assert "is not enforced by the grammar engine" in str(info.value)
+
+
+# (schema, a value it forbids): xgrammar refuses the value, so the schema is compiled
+ENFORCED = [
+    ({"type": "integer", "multipleOf": 5}, 7),
+    ({"type": ["integer", "null"], "multipleOf": 5}, 7),
+    ({"type": "string", "enum": ["a", "b"]}, "c"),  # pydantic's enum: the type adds nothing
+    ({"type": ["string", "null"], "enum": ["a", None]}, "b"),
+    ({"enum": ["a", "b"], "anyOf": [{"type": "string"}]}, 3),  # the enum wins, and its values pass anyOf
+    ({"type": "object", "propertyNames": {"pattern": "^a"}}, {"b": 1}),
+    ({"type": "object", "propertyNames": {"maxLength": 1}}, {"bb": 1}),
+    ({"properties": {"a": {"type": "integer"}}, "required": ["a"]}, {}),  # "properties" implies an object
+    ({"items": {"type": "integer"}, "minItems": 2}, [1]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False}, {"a": 1, "b": 2}),
+    ({"allOf": [{"type": "integer", "minimum": 5}]}, 3),
+    ({"$defs": {"s": {"type": "string", "maxLength": 2}}, "$ref": "#/$defs/s", "description": "an annotation"},
+     "abc"),
+    ({"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None, "title": "T"}, "x"),
+    ({"type": "string", "format": "date"}, "nope"),
+    ({"type": "integer", "format": "int32", "maximum": 9}, 10),  # a format on an integer is an annotation
+]
+
+
+@pytest.mark.parametrize("schema, value", ENFORCED, ids=[json.dumps(s)[:60] for s, _ in ENFORCED])
+def test_keywords_xgrammar_enforces_are_compiled(schema, value):
+    from xgrammar.testing import _is_grammar_accept_string
+    assert not _VALIDATOR(schema, format_checker=_VALIDATOR.FORMAT_CHECKER).is_valid(value)
+    grammar = grammar_of(StructuredOutputsParams(json=schema))
+    assert not _is_grammar_accept_string(grammar, json.dumps(value))
+
+
+def test_a_pydantic_models_schema_is_compiled():
+    """What clients send most: pydantic's schemas (Optional fields as anyOf with a default,
+    enums through $ref with a description beside it, nested models, Literal, bounded lists)."""
+    import enum
+    from typing import Literal
+
+    import pydantic
+
+    class Color(str, enum.Enum):
+        red = "red"
+        blue = "blue"
+
+    class Address(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=20)
+        zip: int | None = None
+
+    class Order(pydantic.BaseModel):
+        kind: Literal["order"]
+        color: Color = pydantic.Field(description="the colour")
+        address: Address
+        items: list[str] = pydantic.Field(min_length=1, max_length=3)
+        note: str | None = pydantic.Field(default=None, pattern="^[a-z ]*$")
+        quantity: int = pydantic.Field(ge=1, le=9, multiple_of=1)
+
+    schema = Order.model_json_schema()
+    check_enforceable(schema)
+    grammar_of(StructuredOutputsParams(json=schema))
 
 
 @pytest.mark.parametrize("kwargs, param", [
