@@ -368,6 +368,16 @@ class CompletionRequest(SamplingRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def client_param(self, message: str, param: str | None) -> tuple[str, str | None]:
+        """As ``SamplingRequest.client_param``; the engine's ``prompt[i]`` (a token id of
+        the prompt it was given) becomes ``prompt[0][i]`` where the client wrapped the token
+        ids in a one-prompt list."""
+        if param is not None and param.startswith("prompt[") and isinstance(self.prompt, list) \
+                and self.prompt and isinstance(self.prompt[0], list):
+            wrapped = "prompt[0]" + param[len("prompt"):]
+            return wrapped + message[len(param):] if message.startswith(param) else message, wrapped
+        return super().client_param(message, param)
+
     def engine_prompt(self) -> dict:
         prompt = self.single_prompt()
         return {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}

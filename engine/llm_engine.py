@@ -183,11 +183,15 @@ class LLMEngine:
 
     def _check_token_ids(self, field_name: str, token_ids: list) -> None:
         vocab_size = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
+        bad = next(((i, t) for i, t in enumerate(token_ids) if not (isinstance(t, int) and 0 <= t < vocab_size)),
+                   None)
         if bad is not None:
+            index, token = bad
             param = "prompt" if field_name == "prompt_token_ids" else field_name  # the field a client sent
-            raise InvalidRequestError(f"{param}: token id {excerpt(bad)} is outside the vocabulary [0, {vocab_size})",
-                                      param)
+            if field_name != "logit_bias":  # a list: name the element (logit_bias's keys are the ids)
+                param += f"[{index}]"
+            raise InvalidRequestError(f"{param}: token id {excerpt(token)} is outside the vocabulary "
+                                      f"[0, {vocab_size})", param)
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tools: list[dict] | None = None) -> dict:

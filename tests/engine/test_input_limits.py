@@ -47,8 +47,10 @@ def test_token_ids_over_max_model_len_are_refused_before_the_vocabulary_check(ll
     with pytest.raises(ContextLengthExceededError, match=r"^prompt \(1000000 tokens\) \+ at least 1 "
                        r"output token exceeds max_model_len \(8192\)$"):
         llm.llm_engine.process_prompt([10**9] * 1_000_000)  # every id is also out of vocabulary
-    with pytest.raises(InvalidRequestError, match=r"token id 1000000000 is outside the vocabulary"):
+    with pytest.raises(InvalidRequestError, match=r"^prompt\[1\]: token id 1000000000 is outside the vocabulary") \
+            as info:
         llm.llm_engine.process_prompt([1, 10**9])
+    assert info.value.param == "prompt[1]"
 
 
 def test_min_tokens_needs_a_token_that_stop_token_ids_and_eos_leave(llm):

@@ -139,8 +139,9 @@ def test_invalid_parameters_name_the_field_and_range():
 def test_token_ids_outside_the_vocabulary_are_rejected_at_add(llm):
     with pytest.raises(ValueError, match=r"logit_bias: token id 49152 is outside the vocabulary \[0, 49152\)"):
         llm.generate("hi", SamplingParams(logit_bias={49152: 1.0}), use_tqdm=False)
-    with pytest.raises(ValueError, match="stop_token_ids: token id 100000"):
-        llm.generate("hi", SamplingParams(stop_token_ids=[100000]), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"stop_token_ids\[1\]: token id 100000") as info:
+        llm.generate("hi", SamplingParams(stop_token_ids=[2, 100000]), use_tqdm=False)
+    assert info.value.param == "stop_token_ids[1]"
     assert_idle(llm)
 
 
