@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -267,7 +268,9 @@ class LLMEngine:
             Its final output (finish_reason 'abort'), ``None`` if the request is unknown.
         """
         self._finish_requests([request_id], RequestStatus.FINISHED_ABORTED, error=None)
-        return next((o for o in self._make_outputs() if o.request_id == request_id), None)
+        # This request's output only: another's news (held back by stream_interval) waits
+        # for the next step, which delivers it, or its error, to its own client.
+        return next(iter(self._make_outputs([request_id])), None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -356,10 +359,10 @@ class LLMEngine:
         if stop is not None:
             self._stop_at_string(sequence, stop)
 
-    def _make_outputs(self) -> list[RequestOutput]:
+    def _make_outputs(self, request_ids: Collection[str] | None = None) -> list[RequestOutput]:
         """``OutputProcessor.make_outputs``, and an error output for each request whose output
         could not be built (its sequences finished, blocks freed)."""
-        outputs = self.output_processor.make_outputs()
+        outputs = self.output_processor.make_outputs(request_ids)
         for request_id, error in self.output_processor.pop_failed().items():
             self._finish_requests([request_id], RequestStatus.FINISHED_ERROR, error)
             output = self.output_processor.drop(request_id, error)

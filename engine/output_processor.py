@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -85,14 +86,15 @@ class OutputProcessor:
             state.sequences.setdefault(sequence.index, sequence)
             state.changed.append(sequence.index)
 
-    def make_outputs(self) -> list[RequestOutput]:
-        """Outputs of every request with news since the last call, per its ``output_kind``;
-        finished requests are dropped from the state.
+    def make_outputs(self, request_ids: Collection[str] | None = None) -> list[RequestOutput]:
+        """Outputs of every request with news since the last call (of ``request_ids`` only,
+        if given), per its ``output_kind``; finished requests are dropped from the state.
 
         A request whose output cannot be built (an exception from its detokenizer, say) is
         left out and listed by ``pop_failed``; the others are unaffected."""
         outputs = []
-        for request_id in [r for r, s in self.states.items() if s.changed]:
+        for request_id in [r for r, s in self.states.items()
+                           if s.changed and (request_ids is None or r in request_ids)]:
             state = self.states[request_id]
             try:
                 if self._held_back(state):

@@ -90,6 +90,32 @@ def test_a_fault_building_one_requests_output_fails_that_request_only(llm, expec
     assert_idle(llm)
 
 
+def test_an_abort_builds_its_own_output_only(llm, monkeypatch):
+    """Another request's news held back by stream_interval is not built during an abort: a
+    fault building it reaches that request's client at the next step (it was lost before)."""
+    engine, processor = llm.llm_engine, llm.llm_engine.output_processor
+    monkeypatch.setattr(processor, "stream_interval", 4)
+    for name in ("a", "b"):
+        engine.add_request(name, PROMPTS[name if name == "a" else "c"], GREEDY)
+    for _ in range(3):  # the first token each, then two held back
+        engine.step()
+    assert processor.states["b"].changed
+    real_held_back = processor._held_back
+
+    def held_back(state):
+        if state.request_id == "b":
+            raise RuntimeError("injected fault in b's output")
+        return real_held_back(state)
+
+    monkeypatch.setattr(processor, "_held_back", held_back)
+    aborted = engine.abort_request("a")
+    assert aborted.request_id == "a" and aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert "b" in processor.states and engine.has_unfinished_requests()
+    (failed,) = engine.step()
+    assert failed.request_id == "b" and failed.finished and failed.error == "RuntimeError: injected fault in b's output"
+    assert_idle(llm)
+
+
 def test_a_scheduling_fault_fails_every_request_and_the_engine_serves_on(llm, expected, monkeypatch):
     scheduler = llm.llm_engine.scheduler
     real_schedule = scheduler.schedule
