@@ -66,6 +66,7 @@ def grammar_of(params: StructuredOutputsParams) -> xgr.Grammar:
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
         if kind == "grammar":
             return xgr.Grammar.from_ebnf(value)
+        check_structural_tag(json.loads(value))
         return xgr.Grammar.from_structural_tag(value)
     except (RuntimeError, ValueError, TypeError, pydantic.ValidationError) as exc:
         raise InvalidRequestError(f"structured_outputs.{kind}: {_reason(exc)}",
@@ -158,6 +159,35 @@ def check_enforceable(schema) -> None:
             elif key not in DATA_KEYWORDS:
                 schema_kind = ("string" if key == "propertyNames" else "") if key in _ONE_SCHEMA else None
                 stack.append((sub, path, schema_kind if kind is not None else None))
+
+
+def check_structural_tag(tag) -> None:
+    """``check_enforceable`` for each JSON schema inside an xgrammar structural tag (a
+    ``{"type": "json_schema", "json_schema": ...}`` format), and refuse the options that
+    loosen one: ``any_order: true`` (a key may repeat, ``{"n": 1, "n": 2}``, and stand in for a
+    required one) and ``excludes`` (xgrammar then drops ``minLength`` / ``maxLength``).
+
+    Raises:
+        ValueError: naming the format's JSON pointer in the tag and the problem.
+    """
+    stack = [(tag, "#")]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, list):
+            stack.extend((sub, f"{where}/{i}") for i, sub in enumerate(item))
+        elif isinstance(item, dict):
+            if item.get("type") == "json_schema" and "json_schema" in item:
+                if item.get("any_order"):
+                    raise _not_enforced('"any_order": true', where,
+                                        "a key may then repeat and stand in for a required one")
+                if item.get("excludes"):
+                    raise _not_enforced('"excludes"', where, "xgrammar drops minLength and maxLength with it")
+                try:
+                    check_enforceable(item["json_schema"])
+                except ValueError as exc:
+                    raise ValueError(f"the json_schema at {where}: {exc}") from None
+                continue
+            stack.extend((sub, f"{where}/{pointer_token(key)}") for key, sub in item.items())
 
 
 def _not_enforced(keyword: str, where: str, fix: str) -> ValueError:

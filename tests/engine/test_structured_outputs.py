@@ -305,6 +305,39 @@ def test_keywords_xgrammar_enforces_are_compiled(schema, value):
     assert not _is_grammar_accept_string(grammar, json.dumps(value))
 
 
+def _tag(schema: dict, **options) -> str:
+    """A structural tag: free text, then "<f>" + a JSON value of ``schema`` + "</f>"."""
+    return json.dumps({"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f>"], "tags": [
+        {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": schema, **options},
+         "end": "</f>"}]}})
+
+
+def test_a_structural_tags_schema_is_enforced():
+    from xgrammar.testing import _is_grammar_accept_string
+    grammar = grammar_of(StructuredOutputsParams(structural_tag=_tag(
+        {"type": "object", "properties": {"n": {"type": "integer", "maximum": 5}}, "required": ["n"]})))
+    assert _is_grammar_accept_string(grammar, 'Calling <f>{"n": 3}</f>')
+    assert not _is_grammar_accept_string(grammar, 'Calling <f>{"n": 7}</f>')
+
+
+@pytest.mark.parametrize("tag, text, message", [
+    (_tag({"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}}), '{"n": 3}',
+     'the json_schema at #/format/tags/0/content: "not" at #/properties/n is not enforced'),
+    (_tag({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}, any_order=True),
+     '{"n": 1, "n": 2}', '"any_order": true at #/format/tags/0/content is not enforced'),
+    (_tag({"type": "object", "properties": {"s": {"type": "string", "maxLength": 2}}}, excludes=["x"]),
+     '{"s": "abc"}', '"excludes" at #/format/tags/0/content is not enforced'),
+])
+def test_a_structural_tag_that_would_loosen_its_schema_is_refused(tag, text, message):
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+    # the fact behind each refusal: xgrammar's own grammar of the tag accepts what the schema forbids
+    assert _is_grammar_accept_string(xgr.Grammar.from_structural_tag(tag), f"<f>{text}</f>")
+    with pytest.raises(ValueError, match=re.escape("structured_outputs.structural_tag: " + message)) as info:
+        grammar_of(StructuredOutputsParams(structural_tag=tag))
+    assert info.value.param == "structured_outputs.structural_tag"
+
+
 def test_a_pydantic_models_schema_is_compiled():
     """What clients send most: pydantic's schemas (Optional fields as anyOf with a default,
     enums through $ref with a description beside it, nested models, Literal, bounded lists)."""
