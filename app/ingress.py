@@ -34,7 +34,7 @@ from app.errors import (
 from app.metrics import HttpMetrics, render
 from app.middleware import install_middleware
 from app.openai_format import DONE, ChatFormatter, ResponseFormatter
-from app.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, now
+from app.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, now, valid_unicode
 from app.request_fields import Endpoint, mistyped_field, unsupported_field
 from engine.errors import excerpt
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -245,6 +245,11 @@ class OpenAIIngress:
             raise self._model_not_found(body.model)
         body.check_nesting()
         extra = body.model_extra or {}
+        for name, value in extra.items():  # declared fields are checked by RequestModel
+            try:
+                valid_unicode(value)
+            except ValueError as exc:
+                raise OpenAIError(400, f"{name}: {exc}", param=name) from None
         field = mistyped_field(endpoint, extra)
         if field is not None:  # accepted unread, but still the API's type (a model field's 400)
             expected = describe_type(field.value_type.__name__)

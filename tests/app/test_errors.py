@@ -85,6 +85,9 @@ def _error_cases():
         ("lone surrogate in cache_salt", "/v1/chat/completions",
          '{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "cache_salt": "\\ud800"}' % MODEL, 400,
          "cache_salt", None, "cache_salt: not valid Unicode (surrogates not allowed at character 0)"),
+        # fields accepted unread (user) or refused (unsupported) are still checked first
+        ("lone surrogate in user", "/v1/completions", '{"model": "%s", "prompt": "x", "user": "\\ud800"}' % MODEL,
+         400, "user", None, "user: not valid Unicode (surrogates not allowed at character 0)"),
         ("lone surrogate in chat", "/v1/chat/completions",
          '{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % MODEL, 400, "messages[0].content",
          None, "messages[0].content: not valid Unicode (surrogates not allowed at character 0)"),
