@@ -117,7 +117,7 @@ def test_tool_choice_required_and_named(client, stream):
     # Sampled, several calls allowed: three seeds at once, one batch in the engine (the
     # longest of them sets the time, not their sum: 28 s for this test instead of 32).
     sampled = _concurrently(lambda seed: _chat(client, stream, tools=TOOLS, tool_choice="required", temperature=1.0,
-                                               seed=seed, max_tokens=300), range(3))
+                                               seed=seed, max_tokens=160), range(3))
     for message, finish_reason in sampled:
         assert finish_reason in ("tool_calls", "length") and message["content"] is None
         assert len(message["tool_calls"]) >= 1
