@@ -249,7 +249,8 @@ class OpenAIIngress:
             try:
                 valid_unicode(value)
             except ValueError as exc:
-                raise OpenAIError(400, f"{name}: {exc}", param=name) from None
+                shown = name.encode("utf-8", "backslashreplace").decode("utf-8")  # the name may be invalid too
+                raise OpenAIError(400, f"{shown}: {exc}", param=shown) from None
         field = mistyped_field(endpoint, extra)
         if field is not None:  # accepted unread, but still the API's type (a model field's 400)
             expected = describe_type(field.value_type.__name__)

@@ -146,7 +146,8 @@ class LLMEngine:
         else:
             text, token_ids = None, list(prompt)
         self._check_num_tokens(len(token_ids))
-        self._check_token_ids("prompt_token_ids", token_ids)
+        # ids the client sent are named by element (prompt[i]); ids of a text, not
+        self._check_token_ids("prompt_token_ids" if text is None else "prompt", token_ids)
         return {"prompt": text, "prompt_token_ids": token_ids}
 
     def _check_num_chars(self, num_chars: int, param: str) -> None:
@@ -189,7 +190,7 @@ class LLMEngine:
         if bad is not None:
             index, token = bad
             param = "prompt" if field_name == "prompt_token_ids" else field_name  # the field a client sent
-            if field_name != "logit_bias":  # a list: name the element (logit_bias's keys are the ids)
+            if field_name not in ("logit_bias", "prompt"):  # a list it sent: name the element
                 param += f"[{index}]"
             raise InvalidRequestError(f"{param}: token id {excerpt(token)} is outside the vocabulary "
                                       f"[0, {vocab_size})", param)

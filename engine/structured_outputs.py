@@ -79,9 +79,12 @@ def grammar_of(params: StructuredOutputsParams) -> xgr.Grammar:
 # compiled: a constraint that is not enforced would hand the client output its schema refuses.
 UNENFORCED_KEYWORDS = frozenset({"contains", "minContains", "maxContains", "dependencies", "dependentRequired",
                                  "dependentSchemas", "if", "then", "else", "not"})
-# Formats whose strings xgrammar checks; any other "format" on a string is not enforced.
+# JSON Schema's formats whose strings xgrammar checks, and those it leaves unchecked. Other
+# names ("binary", "password", "int32": pydantic's and OpenAPI's) are annotations, as JSON
+# Schema has unknown formats.
 ENFORCED_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
                               "uri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer"})
+UNCHECKED_FORMATS = frozenset({"regex", "idn-email", "idn-hostname", "iri", "iri-reference"})
 # Keywords that, in one schema object, make xgrammar ignore every other assertion there:
 # "$ref" above all, then "enum" / "const", then "anyOf" / "oneOf" / "allOf".
 _COMBINATORS = ("anyOf", "oneOf", "allOf")
@@ -131,7 +134,6 @@ def check_enforceable(schema) -> None:
     Raises:
         ValueError: naming the first such keyword, its JSON pointer in ``schema`` and the fix.
     """
-    root_validator = None
     # (value, its JSON pointer, whether it is a schema: None if not, else the kind of value it
     # applies to when that is implied, "string" for propertyNames' schema, "" for any)
     stack = [(schema, "#", "")]
@@ -149,7 +151,7 @@ def check_enforceable(schema) -> None:
             if key in ("$dynamicRef", "$recursiveRef"):
                 raise ValueError(f"{key} at {where} is not supported; use $ref with a JSON pointer (\"#/...\")")
         if kind is not None:
-            root_validator = _check_keywords(item, where, kind, schema, root_validator)
+            _check_keywords(item, where, kind)
         for key, sub in item.items():
             path = f"{where}/{pointer_token(key)}"
             if key in SCHEMA_MAPS and isinstance(sub, dict):
@@ -176,7 +178,7 @@ def check_structural_tag(tag) -> None:
         if isinstance(item, list):
             stack.extend((sub, f"{where}/{i}") for i, sub in enumerate(item))
         elif isinstance(item, dict):
-            if item.get("type") == "json_schema" and "json_schema" in item:
+            if "json_schema" in item:  # "json_schema" formats and the XML-styled ones (qwen_xml_parameter)
                 if item.get("any_order"):
                     raise _not_enforced('"any_order": true', where,
                                         "a key may then repeat and stand in for a required one")
@@ -195,10 +197,9 @@ def _not_enforced(keyword: str, where: str, fix: str) -> ValueError:
                       f"would not be checked against it; {fix}")
 
 
-def _check_keywords(node: dict, where: str, implied_kind: str, root, root_validator):
+def _check_keywords(node: dict, where: str, implied_kind: str) -> None:
     """One schema object's keywords (``check_enforceable``); ``implied_kind`` is the kind of
-    value it applies to where its place implies one ("string" in ``propertyNames``), else
-    "". Returns the root's jsonschema validator once it was needed (built once a schema)."""
+    value it applies to where its place implies one ("string" in ``propertyNames``), else ""."""
     for key in node:
         if key in UNENFORCED_KEYWORDS:
             raise _not_enforced(json.dumps(key), where, "remove it")
@@ -206,32 +207,18 @@ def _check_keywords(node: dict, where: str, implied_kind: str, root, root_valida
         raise _not_enforced('"uniqueItems": true', where, "remove it")
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         raise _not_enforced(f"allOf of {len(node['allOf'])} schemas", where, "merge them into one schema")
+    declared = _names(node.get("type"))
     assertions = [key for key in node if key in _ASSERTIONS]
     listed = "enum" in node or "const" in node  # these win over a combinator, not over "$ref"
     for dominant in ("$ref",) + (() if listed else _COMBINATORS):
         others = [key for key in assertions if key != dominant]
-        if dominant in node and others:
+        if dominant in node and others and not (others == ["type"] and _branches_within(node[dominant], declared)):
             raise _not_enforced(json.dumps(others[0]) + f" beside {json.dumps(dominant)}", where,
                                 f"move it into the schema that {json.dumps(dominant)} points to")
     for key in ("enum", "const"):
-        if key in node and len(assertions) > 1:
-            values = node[key] if key == "enum" and isinstance(node[key], list) else [node[key]]
-            rest = {k: v for k, v in node.items() if k not in ("enum", "const")}
-            if root_validator is None:
-                import jsonschema
-                root_validator = jsonschema.Draft202012Validator(root if isinstance(root, dict) else {})
-            for value in values:
-                try:
-                    valid = root_validator.evolve(schema=rest).is_valid(value)
-                except Exception as exc:  # noqa: BLE001 - jsonschema's errors for a schema it cannot apply
-                    raise ValueError(f"the keywords beside {json.dumps(key)} at {where} are not a valid "
-                                     f"schema: {exc}") from None
-                if not valid:
-                    raise _not_enforced(f"{key} value {json.dumps(value)} failing its sibling keywords", where,
-                                        f"remove the value from {json.dumps(key)} (xgrammar would generate it)")
-            return root_validator
-    declared = node.get("type")
-    declared = set(declared) if isinstance(declared, list) else {declared}
+        if key in node:
+            _check_listed_values(node, key, where)
+            return
     types = set(declared)
     implied = {"object"} if "properties" in node else {"array"} if "items" in node or "prefixItems" in node else set()
     implied.add(implied_kind)
@@ -242,14 +229,81 @@ def _check_keywords(node: dict, where: str, implied_kind: str, root, root_valida
             if key in node and kind not in types | implied:
                 raise _not_enforced(json.dumps(key), where, f'add "type": "{kind}" beside it')
     divisor = node.get("multipleOf")
-    if isinstance(divisor, (int, float)) and ("number" in declared or not float(divisor).is_integer()):
+    if isinstance(divisor, (int, float)) and not isinstance(divisor, bool) and (
+            "number" in declared or (isinstance(divisor, float) and not divisor.is_integer())):
         raise _not_enforced(f'"multipleOf": {json.dumps(divisor)}', where,
                             'it is enforced on "type": "integer" with a whole divisor only')
-    fmt = node.get("format")
-    if fmt is not None and "string" in types and fmt not in ENFORCED_FORMATS:
+    fmt = node.get("format") if isinstance(node.get("format"), str) else None
+    if fmt in UNCHECKED_FORMATS and "string" in types | implied:
         raise _not_enforced(f'"format": {json.dumps(fmt)}', where,
                             "the formats checked are " + ", ".join(sorted(ENFORCED_FORMATS)))
-    return root_validator
+    if fmt in UNCHECKED_FORMATS | ENFORCED_FORMATS and not (types | implied) - {""}:
+        raise _not_enforced('"format"', where, 'add "type": "string" beside it')
+    checked_string = [key for key in ("pattern", "format") if key in node
+                      and (key == "pattern" or fmt in ENFORCED_FORMATS)]
+    lengths = [key for key in ("minLength", "maxLength") if key in node]
+    if checked_string and (lengths or len(checked_string) > 1):
+        dropped = (lengths or checked_string[1:])[0]
+        raise _not_enforced(f"{json.dumps(dropped)} beside {json.dumps(checked_string[0])}", where,
+                            f"xgrammar applies only {json.dumps(checked_string[0])}: fold it into a pattern")
+    properties = node.get("properties")
+    if isinstance(properties, dict):
+        missing = [name for name in node.get("required") or [] if isinstance(name, str) and name not in properties]
+        if missing:
+            raise _not_enforced(f"required key {json.dumps(missing[0])} without a schema in properties", where,
+                                "add it to properties")
+        for key in ("propertyNames", "patternProperties"):
+            if key in node and properties:
+                raise _not_enforced(f"{json.dumps(key)} beside properties", where,
+                                    "xgrammar does not apply it to the properties listed: use one or the other")
+    elif node.get("required"):
+        raise _not_enforced('"required" without "properties"', where, "list the required keys in properties")
+
+
+def _names(value) -> set[str]:
+    """A ``type`` keyword's names (a string or a list of them; anything else: none)."""
+    return {t for t in (value if isinstance(value, list) else [value]) if isinstance(t, str)}
+
+
+def _branches_within(branches, declared: set[str]) -> bool:
+    """Whether ``declared`` (a type beside a combinator) adds nothing: every branch is a schema
+    object whose own ``type`` lies within it."""
+    return bool(declared) and isinstance(branches, list) and all(
+        isinstance(b, dict) and "type" in b and _names(b["type"]) and _names(b["type"]) <= declared for b in branches)
+
+
+# The keywords an enum / const may have beside it: checked against every listed value
+# (jsonschema, without regular expressions or references); others beside it are refused.
+_BESIDE_LISTED = frozenset({"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+                            "minLength", "maxLength", "format", "minItems", "maxItems", "minProperties",
+                            "maxProperties", "required"})
+
+
+def _check_listed_values(node: dict, key: str, where: str) -> None:
+    """xgrammar generates any value an ``enum`` / ``const`` lists, whatever the keywords
+    beside it; refuse a value they forbid, and keywords that cannot be checked cheaply (a
+    ``pattern`` would run the client's regular expression here)."""
+    beside = {k: v for k, v in node.items() if k in _ASSERTIONS and k not in ("enum", "const")}
+    if not beside:
+        return
+    other = next((k for k in beside if k not in _BESIDE_LISTED), None)
+    if other is not None:
+        raise _not_enforced(f"{json.dumps(other)} beside {json.dumps(key)}", where,
+                            f"xgrammar applies only {json.dumps(key)}: list only values it allows")
+    import jsonschema
+    validator_class = jsonschema.Draft202012Validator
+    try:
+        validator = validator_class(beside, format_checker=validator_class.FORMAT_CHECKER)
+        values = node[key] if key == "enum" and isinstance(node[key], list) else [node[key]]
+        bad = next((value for value in values if not validator.is_valid(value)), _NOTHING)
+    except Exception as exc:  # noqa: BLE001 - jsonschema's errors for keywords it cannot apply
+        raise ValueError(f"the keywords beside {json.dumps(key)} at {where} are not a valid schema: {exc}") from None
+    if bad is not _NOTHING:
+        raise _not_enforced(f"{key} value {json.dumps(bad)} failing its sibling keywords", where,
+                            f"remove the value from {json.dumps(key)} (xgrammar would generate it)")
+
+
+_NOTHING = object()
 
 
 def _reason(exc: Exception) -> str:

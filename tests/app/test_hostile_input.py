@@ -162,7 +162,9 @@ ECHOES = [
      "logit_bias." + "k" * 94 + "... (200011 characters)"),  # the key's location, cut to 128
     ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 50_000}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [[1, 2]] * 50_000}, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": [10**9] * 8000}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10**9] * 8000}, "prompt[0]"),
+    # a long key that is not valid Unicode: refused as the body's, no param
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "\ud800" * 100_000: "\ud800"}, None),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "r" * 200_000, "content": "x"}]},
      "messages[0].role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],

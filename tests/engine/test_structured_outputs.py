@@ -258,6 +258,24 @@ NOT_ENFORCED = [
     ({"type": "object", "properties": {"a": {"minimum": 5}}}, {"a": 3}, '"minimum" at #/properties/a'),
     ({"minLength": 3}, "ab", '"minLength" at #'),
     ({"required": ["a"]}, {}, '"required" at #'),
+    # found by review: xgrammar applies a pattern or a checked format alone
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "abcdef", '"maxLength" beside "pattern" at #'),
+    ({"type": "string", "format": "date-time", "maxLength": 5}, "2020-01-01T00:00:00Z",
+     '"maxLength" beside "format" at #'),
+    ({"type": "string", "format": "email", "pattern": "^z"}, "a@b.co", '"format" beside "pattern" at #'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, {"a": 1},
+     'required key "b" without a schema in properties at #'),
+    ({"type": "object", "additionalProperties": {"type": "integer"}, "required": ["a"]}, {},
+     '"required" without "properties" at #'),
+    ({"type": "object", "properties": {"abc": {"type": "integer"}}, "propertyNames": {"maxLength": 2}}, {"abc": 1},
+     '"propertyNames" beside properties at #'),
+    ({"type": "object", "properties": {"xa": {"type": "integer"}}, "patternProperties": {"^x": {"type": "string"}}},
+     {"xa": 1}, '"patternProperties" beside properties at #'),
+    ({"format": "email"}, "x", '"format" at #'),
+    ({"type": "string", "format": "email", "enum": ["notanemail"]}, "notanemail",
+     'enum value "notanemail" failing its sibling keywords at #'),
+    # a pattern beside an enum is not run here (it would run the client's regular expression)
+    ({"type": "string", "pattern": "^z", "enum": ["a"]}, "a", '"pattern" beside "enum" at #'),
 ]
 
 
@@ -282,7 +300,11 @@ ENFORCED = [
     ({"type": ["integer", "null"], "multipleOf": 5}, 7),
     ({"type": "string", "enum": ["a", "b"]}, "c"),  # pydantic's enum: the type adds nothing
     ({"type": ["string", "null"], "enum": ["a", None]}, "b"),
-    ({"enum": ["a", "b"], "anyOf": [{"type": "string"}]}, 3),  # the enum wins, and its values pass anyOf
+    ({"type": "object", "oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                                  {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+     {"c": 1}),  # a type every branch has adds nothing
+    ({"type": "string", "format": "binary", "maxLength": 3}, "abcdef"),  # pydantic's bytes: an annotation
+    ({"type": "integer", "multipleOf": 5.0}, 7),
     ({"type": "object", "propertyNames": {"pattern": "^a"}}, {"b": 1}),
     ({"type": "object", "propertyNames": {"maxLength": 1}}, {"bb": 1}),
     ({"properties": {"a": {"type": "integer"}}, "required": ["a"]}, {}),  # "properties" implies an object
