@@ -23,7 +23,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from engine.json_schema import DATA_KEYWORDS, SCHEMA_MAPS, is_local_ref
+from engine.json_schema import COMBINATORS, DATA_KEYWORDS, SCHEMA_MAPS, is_local_ref
 from engine.tool_calls import TOOL_CALL_END, TOOL_CALL_START, parse_tool_calls
 
 
@@ -70,7 +70,7 @@ def tool_constraint(functions: list[dict], mode: ToolMode, parallel_tool_calls: 
 
 
 def _object_schema(schema: dict) -> dict:
-    if "type" in schema or any(key in schema for key in ("$ref", "anyOf", "oneOf", "allOf")):
+    if "type" in schema or any(key in schema for key in ("$ref", *COMBINATORS)):
         return schema
     return {"type": "object", **schema}
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 # Keywords whose value is data, not a subschema: a "$ref" key in it is a value, no reference.
 DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords that combine subschemas: beside one of them (or "$ref") xgrammar applies that alone.
+COMBINATORS = ("anyOf", "oneOf", "allOf")
 # Keywords whose value maps names (not keywords) to subschemas.
 SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 

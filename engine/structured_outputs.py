@@ -31,7 +31,7 @@ import torch
 import xgrammar as xgr
 
 from engine.errors import InvalidRequestError
-from engine.json_schema import DATA_KEYWORDS, SCHEMA_MAPS, is_local_ref, pointer_token
+from engine.json_schema import COMBINATORS, DATA_KEYWORDS, SCHEMA_MAPS, is_local_ref, pointer_token
 from engine.sampling_params import StructuredOutputsParams
 from engine.scheduler_output import SamplingRow
 
@@ -75,7 +75,7 @@ def grammar_of(params: StructuredOutputsParams) -> xgr.Grammar:
 
 # What xgrammar 0.2 leaves unenforced in a JSON schema (any value passes it), measured by
 # feeding its grammar a value the keyword forbids; tests/engine/test_structured_outputs.py
-# keeps each fact true (test_xgrammar_still_ignores_what_is_refused). Refused rather than
+# keeps each fact true (test_keywords_xgrammar_does_not_enforce_are_refused). Refused rather than
 # compiled: a constraint that is not enforced would hand the client output its schema refuses.
 UNENFORCED_KEYWORDS = frozenset({"contains", "minContains", "maxContains", "dependencies", "dependentRequired",
                                  "dependentSchemas", "if", "then", "else", "not"})
@@ -85,9 +85,8 @@ UNENFORCED_KEYWORDS = frozenset({"contains", "minContains", "maxContains", "depe
 ENFORCED_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
                               "uri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer"})
 UNCHECKED_FORMATS = frozenset({"regex", "idn-email", "idn-hostname", "iri", "iri-reference"})
-# Keywords that, in one schema object, make xgrammar ignore every other assertion there:
-# "$ref" above all, then "enum" / "const", then "anyOf" / "oneOf" / "allOf".
-_COMBINATORS = ("anyOf", "oneOf", "allOf")
+# In one schema object xgrammar applies "$ref" above all, then "enum" / "const", then a
+# combinator (json_schema.COMBINATORS), and ignores every other assertion there.
 # JSON Schema 2020-12's assertion and applicator keywords (+ draft 7's "dependencies" and
 # "additionalItems"); anything else in a schema object is an annotation or unknown, and both
 # are ignored by the specification too.
@@ -120,13 +119,18 @@ def check_enforceable(schema) -> None:
     - keywords it ignores: ``contains`` / ``minContains`` / ``maxContains``, ``dependencies``
       / ``dependentRequired`` / ``dependentSchemas``, ``if`` / ``then`` / ``else``, ``not``,
       ``uniqueItems: true``, ``allOf`` of more than one schema, ``multipleOf`` on a
-      ``"number"`` or with a fractional divisor, a string ``format`` outside
-      ``ENFORCED_FORMATS``;
+      ``"number"`` or with a fractional divisor, a string ``format`` in ``UNCHECKED_FORMATS``
+      (other unknown names are annotations);
     - keywords beside ``$ref``, ``anyOf``, ``oneOf`` or ``allOf`` in one schema object (it
-      applies only the reference or the combinator); beside ``enum`` / ``const`` they pass
-      when every listed value satisfies them (then they add nothing);
-    - type-specific keywords (``minimum``, ``maxLength``, ``required``, ``minItems``, ...) in
-      a schema object whose ``"type"`` does not name that kind.
+      applies only the reference or the combinator; a ``type`` every branch has is allowed);
+      beside ``enum`` / ``const`` only ``type``, bounds, lengths and ``format``, when every
+      listed value satisfies them (no regular expression of the client's runs here);
+    - ``minLength`` / ``maxLength`` beside a ``pattern`` or a checked ``format``, or those two
+      together (it applies the pattern or the format alone);
+    - a ``required`` key without a schema in ``properties``, and ``propertyNames`` /
+      ``patternProperties`` beside ``properties``;
+    - type-specific keywords (``minimum``, ``maxLength``, ``required``, ``format``, ...) in a
+      schema object whose ``"type"`` does not name that kind.
 
     Args:
         schema: the decoded schema (dict; a boolean or anything else has nothing to check).
@@ -210,7 +214,7 @@ def _check_keywords(node: dict, where: str, implied_kind: str) -> None:
     declared = _names(node.get("type"))
     assertions = [key for key in node if key in _ASSERTIONS]
     listed = "enum" in node or "const" in node  # these win over a combinator, not over "$ref"
-    for dominant in ("$ref",) + (() if listed else _COMBINATORS):
+    for dominant in ("$ref",) + (() if listed else COMBINATORS):
         others = [key for key in assertions if key != dominant]
         if dominant in node and others and not (others == ["type"] and _branches_within(node[dominant], declared)):
             raise _not_enforced(json.dumps(others[0]) + f" beside {json.dumps(dominant)}", where,
