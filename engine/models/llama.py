@@ -15,6 +15,17 @@ from torch import nn
 
 import kernels
 
+# Inductor's ``cpp.min_chunk_size`` for the compiled glue: the fewest elements of a kernel
+# each intra-op thread takes. Inductor's default, 512, splits even a one-token step's
+# RMSNorm over the threads, and each such parallel region wakes threads that the engine's
+# short OpenMP spin (engine.threads) has let sleep. With 2**20 a decode step of 64 sequences
+# (64 x 1,536 elements at the widest) runs its glue on the calling thread and a 2,048-token
+# prefill's MLP glue still splits. Measured on an Intel Xeon with AMX-BF16, 2 vCPUs, bf16,
+# w1_mixed, alternating runs, 2026-12-02: 342-363 output tok/s at 512 (six runs), 362-370 at
+# 2**20 (four), 370-373 at 2**22 and 372-380 with no split at all (two each); see
+# docs/PERFORMANCE.md.
+GLUE_MIN_CHUNK_ELEMENTS = 2**20
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -342,10 +353,14 @@ class LlamaForCausalLM(nn.Module):
         count (``dynamic=True``; torch specialises a one-token step, which is its second
         graph). The attention kernels stay outside. Compiling happens at the first forward
         of each graph (``ModelRunner`` does it at start-up); Inductor caches the result on
-        disk for later processes."""
-        self.compiled_glue = (torch.compile(layer_before_attention, dynamic=True),
-                              torch.compile(layer_between_attentions, dynamic=True),
-                              torch.compile(layer_after_attention, dynamic=True))
+        disk for later processes.
+
+        A kernel splits over the intra-op threads only from ``GLUE_MIN_CHUNK_ELEMENTS``
+        elements a thread (Inductor's ``cpp.min_chunk_size``), so a decode step's glue runs
+        on the calling thread and the prompt-sized glue of a prefill still splits."""
+        options = {"cpp.min_chunk_size": GLUE_MIN_CHUNK_ELEMENTS}
+        self.compiled_glue = tuple(torch.compile(fn, dynamic=True, options=options) for fn in (
+            layer_before_attention, layer_between_attentions, layer_after_attention))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden_size]`` -> fp32 logits ``[n, vocab_size]``."""

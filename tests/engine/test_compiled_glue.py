@@ -4,6 +4,7 @@ that still serves eagerly where the compiler fails."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import torch
 from torch._dynamo.utils import counters
@@ -67,3 +68,18 @@ def test_a_compiler_failure_leaves_a_working_eager_engine(monkeypatch, caplog, m
     eager = LLM(dtype="float32", enforce_eager=True)
     assert _tokens(llm, mixed_prompts[:3]) == _tokens(eager, mixed_prompts[:3])
     assert_idle(llm)
+
+
+
+def test_the_glue_splits_over_threads_only_from_a_million_elements_a_thread(monkeypatch):
+    # Each of the three glue functions is compiled with Inductor's cpp.min_chunk_size set, so
+    # that a decode step's glue (64 x 1,536 elements at the widest) runs on one thread and a
+    # 2,048-token prefill's MLP glue (2,048 x 1,536) still splits over two.
+    calls, model = [], SimpleNamespace()
+    monkeypatch.setattr(llama.torch, "compile", lambda fn, **kwargs: calls.append((fn.__name__, kwargs)) or fn)
+    llama.LlamaForCausalLM.compile_glue(model)
+    assert calls == [(name, {"dynamic": True, "options": {"cpp.min_chunk_size": 2**20}}) for name in (
+        "layer_before_attention", "layer_between_attentions", "layer_after_attention")]
+    assert model.compiled_glue == (llama.layer_before_attention, llama.layer_between_attentions,
+                                   llama.layer_after_attention)
+    assert 64 * 1536 < llama.GLUE_MIN_CHUNK_ELEMENTS <= 2048 * 1536 // 2
