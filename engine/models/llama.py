@@ -58,7 +58,7 @@ def can_prepack_weights() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def _packed_linear_cpu(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+def _packed_linear_impl(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
                        out_features: int) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
@@ -71,7 +71,7 @@ def _packed_linear_cpu(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch
 # 376.7-384.3 output tok/s.
 _LIBRARY = torch.library.Library("mini_infer", "FRAGMENT")
 _LIBRARY.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, SymInt out_features) -> Tensor")
-_LIBRARY.impl("packed_linear", _packed_linear_cpu, "CompositeExplicitAutograd")
+_LIBRARY.impl("packed_linear", _packed_linear_impl, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("mini_infer::packed_linear")

@@ -70,7 +70,6 @@ def test_a_compiler_failure_leaves_a_working_eager_engine(monkeypatch, caplog, m
     assert_idle(llm)
 
 
-
 def test_the_glue_splits_over_threads_only_from_a_million_elements_a_thread(monkeypatch):
     # Each of the three glue functions is compiled with Inductor's cpp.min_chunk_size set, so
     # that a decode step's glue (64 x 1,536 elements at the widest) runs on one thread and a
