@@ -10,13 +10,14 @@ run by run so that a drift in the machine's speed hits all of them alike:
 - ``busy``: one process spinning in a Python loop, pinned to one core (the last CPU this
   process may use), for the whole run.
 
-Variants: ``engine`` (the engine's defaults: ``engine.threads``, 1,000 spins), ``one_thread``
-(``OMP_NUM_THREADS=1``), ``passive`` (``OMP_WAIT_POLICY=PASSIVE``: no spinning, the
-default before), ``spin1k`` (``GOMP_SPINCOUNT=1000``, the default now, set explicitly),
-``spin10k`` and ``spin30k`` (10,000 and 30,000 spins) and ``spin`` (libgomp's default wait
-when no policy is set, 300,000 spins before sleeping: ``GOMP_SPINCOUNT=300000``; torch's
-behaviour before ``engine.threads``). The result is each variant's busy / quiet throughput
-ratio (medians over ``--repeats``).
+Variants: ``engine`` (the engine's defaults: ``engine.threads``, 30,000 spins, threads fitted
+to the CPUs other processes leave free), ``fixed_threads`` (the same spin, always one thread a
+CPU given: ``MINI_INFER_FIT_THREADS=0``), ``one_thread`` (``OMP_NUM_THREADS=1``), ``passive``
+(``OMP_WAIT_POLICY=PASSIVE``: no spinning), ``spin1k`` (``GOMP_SPINCOUNT=1000``, the default
+before 2026-12-02), ``spin10k`` and ``spin30k`` (10,000 and 30,000 spins) and ``spin``
+(libgomp's default wait when no policy is set, 300,000 spins before sleeping:
+``GOMP_SPINCOUNT=300000``; torch's behaviour before ``engine.threads``). The result is each
+variant's busy / quiet throughput ratio (medians over ``--repeats``).
 """
 from __future__ import annotations
 
@@ -34,14 +35,15 @@ from common import ROOT, machine_info, write_result
 
 VARIANTS = {"engine": {}, "spin": {"GOMP_SPINCOUNT": "300000"}, "one_thread": {"OMP_NUM_THREADS": "1"},
             "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin1k": {"GOMP_SPINCOUNT": "1000"},
-            "spin10k": {"GOMP_SPINCOUNT": "10000"}, "spin30k": {"GOMP_SPINCOUNT": "30000"}}
+            "spin10k": {"GOMP_SPINCOUNT": "10000"}, "spin30k": {"GOMP_SPINCOUNT": "30000"},
+            "fixed_threads": {"MINI_INFER_FIT_THREADS": "0"}}
 _BUSY_LOOP = "import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
 
 
 def _child_env(extra: dict[str, str]) -> dict[str, str]:
     """This process's environment without its OpenMP settings, plus ``extra``."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "MINI_INFER_FIT_THREADS")}
     return {**env, **extra}
 
 

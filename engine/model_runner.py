@@ -27,7 +27,7 @@ from engine.models import AttentionMetadata, build_model, can_prepack_weights, h
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SamplingRow, ScheduledRequest, SchedulerOutput
-from engine.threads import configure_cpu_threads, huge_pages_requested
+from engine.threads import FreeCpuThreads, configure_cpu_threads, huge_pages_requested
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         # intra-op CPU threads: the CPUs this process is given (engine.threads)
         self.num_threads = configure_cpu_threads() if self.device.type == "cpu" else None
+        # fewer of them while other processes use those CPUs (see FreeCpuThreads)
+        self.free_cpu_threads = FreeCpuThreads(self.num_threads) if self.num_threads else None
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
         # Before this engine allocates anything: what is on the device is not its own.
@@ -302,6 +304,8 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Copy shared blocks, run one forward over the scheduled tokens, and sample the
         sequences that finish a prompt or decode."""
+        if self.free_cpu_threads is not None:
+            self.free_cpu_threads.update()
         self._copy_blocks(scheduler_output.blocks_to_copy)
         batch = self.prepare_inputs(scheduler_output)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)

@@ -6,20 +6,24 @@ sets it in an actor from its ``num_cpus``, floored, at least 1: so a Serve engin
 uses what ``engine_num_cpus`` reserves), else the Ray actor's assigned CPUs, else the CPUs
 its affinity mask allows (``taskset``, cgroup cpusets; all cores on a plain host).
 
-How they wait: a short spin, then sleep (``GOMP_SPINCOUNT=1000``). libgomp, torch's OpenMP
-runtime on Linux, otherwise spins up to 300,000 iterations after each parallel region before it
-sleeps; on a host where another process wants the same cores, the spinning threads and the
-other process slow each other down many times over. Not spinning at all
-(``OMP_WAIT_POLICY=PASSIVE``) costs the engine itself: a decode step runs ~400 parallel
-regions (matmuls, attention, the glue), and waking sleeping threads for each made a 64-sequence
-bf16 decode step 100 ms instead of 62 ms. 1,000 spins (libgomp's own count for a host with more
-threads than CPUs) keeps the threads awake across the short gaps inside a step and lets them
-sleep between steps and while Python runs. Measured (bench/busy_host.py, w1_mixed first 32, bf16,
-2 cores, docs/PERFORMANCE.md): quiet 395 tok/s, beside one busy process 184 (0.47); passive 290
-and 242; 300,000 spins 390 and 117. libgomp reads its environment once, when torch loads it, so
+How they wait: a spin, then sleep (``GOMP_SPINCOUNT=30000``), with as many threads as the
+other processes leave CPUs free (``FreeCpuThreads``). A decode step runs ~400 parallel regions
+(matmuls, attention), with single-threaded glue between them; a worker thread that has gone
+to sleep in between costs a futex wake per region (~60 us on a KVM guest). libgomp's own
+default spins 300,000 iterations first, but its spin iteration is a ``pause`` instruction,
+~40-60 ns on recent Intel cores: 300,000 spins are ~15 ms of a core after every region.
+30,000 (~1.5 ms there) keeps the threads awake across a step's gaps: on an Intel Xeon with
+AMX-BF16, 2 vCPUs, bf16 w1_mixed (``python -m engine generate``, 2026-12-02), 1,000 / 3,000 /
+10,000 / 30,000 / 300,000 spins gave 367.7-376.2 / 389.3-390.3 / 425.1 / 443.5-445.6 /
+443.1-450.2 output tok/s. Spinning threads and another process on the same cores slow each
+other down many times over (docs/PERFORMANCE.md, "Threads on a busy host": 0.11-0.30 of the
+quiet throughput at 10,000-300,000 spins on an AMD EPYC); ``FreeCpuThreads`` drops a thread
+when other processes use the CPU it would spin on, so no thread spins on a CPU that another
+process wants, and takes it back when they stop. ``OMP_WAIT_POLICY=PASSIVE`` (no spin: 100 ms
+instead of 62 ms a 64-sequence decode step there) or any ``GOMP_SPINCOUNT`` the user sets is
+left as is. libgomp reads its environment once, when torch loads it, so
 ``set_wait_policy_env`` must run before torch is imported: ``engine/__init__.py`` calls it, and
-the engine's Ray actor gets it in its ``runtime_env`` (``app.engine_actor_options``). A value
-the user set (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``) is left as is.
+the engine's Ray actor gets it in its ``runtime_env`` (``app.engine_actor_options``).
 
 Memory pages: torch's CPU allocator puts every buffer of 2 MiB or more on transparent huge
 pages (``THP_MEM_ALLOC_ENABLE=1``: page-aligned and ``madvise(MADV_HUGEPAGE)``; torch's
@@ -34,15 +38,19 @@ policy (``set_huge_pages_env``, ``huge_pages_env``); a value the user set is lef
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-WAIT_POLICY_ENV = {"GOMP_SPINCOUNT": "1000"}
+WAIT_POLICY_ENV = {"GOMP_SPINCOUNT": "30000"}
 USER_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 HUGE_PAGES_SETTING = "THP_MEM_ALLOC_ENABLE"
+FIT_THREADS_SETTING = "MINI_INFER_FIT_THREADS"  # "0": always cpus_given() threads (FreeCpuThreads)
 
 
 _wait_policy_before_torch: bool | None = None  # the first set_wait_policy_env()'s answer
@@ -75,9 +83,10 @@ def wait_policy_applied() -> bool:
 def wait_policy_env() -> dict[str, str]:
     """The wait settings for another process's environment (a Ray actor's ``runtime_env``):
     this process's ``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT`` where either is set, else
-    ``WAIT_POLICY_ENV``."""
+    ``WAIT_POLICY_ENV``; and ``MINI_INFER_FIT_THREADS`` where set (``FreeCpuThreads``)."""
     chosen = {name: os.environ[name] for name in USER_WAIT_SETTINGS if name in os.environ}
-    return chosen or dict(WAIT_POLICY_ENV)
+    fitting = {FIT_THREADS_SETTING: os.environ[FIT_THREADS_SETTING]} if FIT_THREADS_SETTING in os.environ else {}
+    return {**(chosen or WAIT_POLICY_ENV), **fitting}
 
 
 def set_huge_pages_env() -> bool:
@@ -149,3 +158,110 @@ def configure_cpu_threads() -> int:
     logger.info("CPU threads: %d intra-op (torch), OpenMP wait: %s, huge pages (%s): %s (kernel THP mode: %s)",
                 num_threads, wait, HUGE_PAGES_SETTING, huge_pages, kernel_thp_mode())
     return num_threads
+
+
+def read_busy_cpu_seconds(cpus: frozenset[int], path: str = "/proc/stat") -> float | None:
+    """Seconds the CPUs ``cpus`` have spent busy since boot, all processes together: user, nice,
+    system, irq, softirq and steal time of their ``cpuN`` lines in ``path`` (proc(5)), or None
+    where the file or a CPU's line is missing (not Linux)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return None
+    ticks, seen = 0, 0
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cpus:
+            continue
+        fields = [int(v) for v in rest.split()]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+        ticks += user + nice + system + irq + softirq + steal
+        seen += 1
+    return ticks / os.sysconf("SC_CLK_TCK") if seen == len(cpus) else None
+
+
+class FreeCpuThreads:
+    """torch's intra-op threads, fitted to the CPUs that other processes leave free.
+
+    Every ``interval_s`` (at the next ``update``) it compares the busy time of the CPUs in this
+    process's affinity mask (``read_busy_cpu_seconds``) with this process's own CPU time
+    (``time.process_time``, every thread of it): the rest is what other processes ran there,
+    ``others`` CPUs on average. It then runs ``threads`` intra-op threads, between 1 and
+    ``max_threads``: one fewer as soon as they no longer fit in the CPUs left free
+    (``len(cpus) - others < threads - 0.5``, e.g. another process using half a CPU of two),
+    one more back once the free CPUs have room for it with 0.3 to spare (hysteresis: a load
+    that hovers near half a CPU does not flip the count every interval). A thread that would
+    spin (``WAIT_POLICY_ENV``) on a CPU another process wants costs both many times over;
+    one fewer thread costs a quiet host nothing, since the count comes back within an interval
+    of the other process stopping.
+
+    ``update`` must run on the thread that runs the forward: OpenMP's thread count
+    (``omp_set_num_threads``, which ``torch.set_num_threads`` calls) belongs to the calling
+    thread.
+
+    Args:
+        max_threads: the most threads, ``cpus_given()``; 1 turns the fitting off, as does
+            ``MINI_INFER_FIT_THREADS=0`` in the environment.
+        interval_s: seconds between two readings (0.5: a busy neighbour costs at most about
+            that long at the spin's pace).
+        cpus: the CPUs to watch (default: this process's affinity mask).
+        busy_seconds, process_time, clock, set_threads: where the readings come from and the
+            count goes (``read_busy_cpu_seconds``, ``time.process_time``, ``time.monotonic``,
+            ``torch.set_num_threads``); tests pass their own.
+    """
+
+    def __init__(self, max_threads: int, interval_s: float = 0.5, *, cpus: frozenset[int] | None = None,
+                 busy_seconds: Callable[[frozenset[int]], float | None] = read_busy_cpu_seconds,
+                 process_time: Callable[[], float] = time.process_time,
+                 clock: Callable[[], float] = time.monotonic,
+                 set_threads: Callable[[int], None] | None = None) -> None:
+        if cpus is None:
+            try:
+                cpus = frozenset(os.sched_getaffinity(0))
+            except (AttributeError, OSError):  # not Linux: nothing to read either
+                cpus = frozenset()
+        self.max_threads = max_threads
+        self.threads = max_threads
+        self.interval_s = interval_s
+        self.cpus = cpus
+        self.others = 0.0  # the last reading: CPUs other processes used, on average
+        self._busy_seconds, self._process_time, self._clock = busy_seconds, process_time, clock
+        if set_threads is None:
+            import torch
+
+            set_threads = torch.set_num_threads
+        self._set_threads = set_threads
+        fitting = max_threads > 1 and os.environ.get(FIT_THREADS_SETTING, "1") != "0"
+        self._last = self._read() if fitting else None
+        self.enabled = self._last is not None
+
+    def _read(self) -> tuple[float, float, float] | None:
+        busy = self._busy_seconds(self.cpus) if self.cpus else None
+        return None if busy is None else (self._clock(), busy, self._process_time())
+
+    def update(self) -> int:
+        """Take a reading if ``interval_s`` has passed since the last one and set the thread
+        count from it; returns the count now in force. A reading more than 4 intervals after
+        the last (the engine had no step to run) only starts the next interval."""
+        if not self.enabled or self._clock() - self._last[0] < self.interval_s:
+            return self.threads
+        now = self._read()
+        if now is None:
+            return self.threads
+        wall, busy, own = (b - a for a, b in zip(self._last, now, strict=True))
+        self._last = now
+        if wall > 4 * self.interval_s:  # no step for a while (an idle engine): read afresh
+            return self.threads
+        self.others = max(0.0, (busy - own) / wall)
+        free = len(self.cpus) - self.others
+        threads = self.threads
+        if free < threads - 0.5:
+            threads = max(1, math.floor(free + 0.5))
+        elif threads < self.max_threads and free >= threads + 0.7:
+            threads = min(self.max_threads, math.floor(free + 0.3))
+        if threads != self.threads:
+            logger.debug("intra-op threads %d -> %d: other processes used %.2f of %d CPUs",
+                         self.threads, threads, self.others, len(self.cpus))
+            self._set_threads(threads)
+            self.threads = threads
+        return self.threads

@@ -41,7 +41,7 @@ def test_engine_placement_follows_the_ray_cluster(monkeypatch, device, cluster_g
     options = app.engine_actor_options(AppConfig.load({"device": device, "engine_num_cpus": 2}))
     resources = {"num_gpus": 1} if expected else {"num_cpus": 2}
     assert options == {**resources, "runtime_env": {"env_vars": {
-        "GOMP_SPINCOUNT": "1000", "THP_MEM_ALLOC_ENABLE": "1",
+        "GOMP_SPINCOUNT": "30000", "THP_MEM_ALLOC_ENABLE": "1",
         "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": "2147483647"}}}
 
 

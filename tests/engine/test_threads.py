@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,13 +32,13 @@ def test_cpus_given_in_a_ray_actor_is_its_num_cpus_floored(monkeypatch):
     assert threads.cpus_given() == 1
 
 
-def test_the_wait_is_a_short_spin_unless_the_user_chose_one(monkeypatch):
+def test_the_wait_is_a_30000_iteration_spin_unless_the_user_chose_one(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     assert threads.set_wait_policy_env() is False  # torch is imported here: too late for it
-    assert os.environ["GOMP_SPINCOUNT"] == "1000"
+    assert os.environ["GOMP_SPINCOUNT"] == "30000"
     assert "OMP_WAIT_POLICY" not in os.environ
-    assert threads.wait_policy_env() == {"GOMP_SPINCOUNT": "1000"}
+    assert threads.wait_policy_env() == {"GOMP_SPINCOUNT": "30000"}
     monkeypatch.delenv("GOMP_SPINCOUNT")
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     threads.set_wait_policy_env()
@@ -92,7 +93,7 @@ def test_importing_engine_sets_the_policy_before_torch_loads():
     out = _fresh_python("import sys, os, engine; assert 'torch' not in sys.modules; import torch; "
                         "from engine.threads import wait_policy_applied; "
                         "print(os.environ['GOMP_SPINCOUNT'], wait_policy_applied())")
-    assert out.stdout.strip() == "1000 True"
+    assert out.stdout.strip() == "30000 True"
 
 
 def test_torch_imported_first_is_reported_as_libgomps_default():
@@ -119,3 +120,121 @@ def test_a_cpu_engine_sets_torch_threads_to_the_cpus_given(monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_every_cpu_step_fits_the_threads_first(monkeypatch):
+    from engine import LLM, SamplingParams
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    try:
+        llm = LLM("dummy:tiny-llama", device="cpu", kv_cache_memory_gb=0.01)
+        runner = llm.llm_engine.model_runner
+        assert runner.free_cpu_threads.max_threads == 2
+        calls = []
+        monkeypatch.setattr(runner.free_cpu_threads, "update", lambda: calls.append(1))
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
+        assert len(calls) == 4  # the prompt's step, then three decode steps
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---- FreeCpuThreads: fewer threads while other processes use the CPUs ----------------------
+
+def test_busy_cpu_seconds_sum_the_masks_cpu_lines_without_idle_and_iowait(tmp_path):
+    ticks = os.sysconf("SC_CLK_TCK")
+    stat = tmp_path / "stat"
+    # cpuN user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text(f"cpu  {9 * ticks} 0 0 0 0 0 0 0 0 0\n"
+                    f"cpu0 {ticks} {ticks} {ticks} {50 * ticks} {7 * ticks} {ticks} {ticks} {ticks} 0 0\n"
+                    f"cpu1 {2 * ticks} 0 0 {40 * ticks} 0 0 0 0 0 0\n"
+                    f"cpu2 {100 * ticks} 0 0 0 0 0 0 0 0 0\nintr 12345 0\nctxt 999\n")
+    assert threads.read_busy_cpu_seconds(frozenset({0, 1}), str(stat)) == 8.0
+    assert threads.read_busy_cpu_seconds(frozenset({1}), str(stat)) == 2.0
+    assert threads.read_busy_cpu_seconds(frozenset({0, 3}), str(stat)) is None  # no cpu3 line
+    assert threads.read_busy_cpu_seconds(frozenset({0}), str(tmp_path / "missing")) is None
+
+
+class _Host:
+    """A 2-CPU host whose clock, busy time and this process's CPU time a test moves."""
+
+    def __init__(self) -> None:
+        self.now = self.busy = self.own = 0.0
+        self.set_calls: list[int] = []
+
+    def run(self, seconds: float, own_cpus: float, other_cpus: float) -> None:
+        self.now += seconds
+        self.own += own_cpus * seconds
+        self.busy += (own_cpus + other_cpus) * seconds
+
+    def threads(self, max_threads: int = 2, **kwargs) -> threads.FreeCpuThreads:
+        return threads.FreeCpuThreads(max_threads, 0.5, cpus=frozenset({0, 1}),
+                                      busy_seconds=lambda cpus: self.busy, process_time=lambda: self.own,
+                                      clock=lambda: self.now, set_threads=self.set_calls.append, **kwargs)
+
+
+def test_a_busy_neighbour_takes_a_thread_away_until_it_stops(monkeypatch):
+    monkeypatch.delenv("MINI_INFER_FIT_THREADS", raising=False)
+    host = _Host()
+    fit = host.threads()
+    assert fit.enabled and fit.threads == 2
+    host.run(0.4, own_cpus=2.0, other_cpus=0.0)
+    assert fit.update() == 2 and host.set_calls == []  # within the interval: not read
+    host.run(0.2, own_cpus=2.0, other_cpus=0.0)
+    assert fit.update() == 2 and fit.others == 0.0  # quiet
+    host.run(0.5, own_cpus=1.4, other_cpus=0.6)  # a neighbour gets 0.6 CPU beside our spin
+    assert fit.update() == 1 and host.set_calls == [1]
+    assert fit.others == pytest.approx(0.6)
+    host.run(0.5, own_cpus=1.0, other_cpus=1.0)  # it takes the whole CPU we left
+    assert fit.update() == 1
+    host.run(0.5, own_cpus=1.0, other_cpus=0.4)  # less, but not 0.3 less: no flip back yet
+    assert fit.update() == 1 and host.set_calls == [1]
+    host.run(0.5, own_cpus=1.0, other_cpus=0.1)  # it stopped
+    assert fit.update() == 2 and host.set_calls == [1, 2]
+    host.run(0.5, own_cpus=2.0, other_cpus=0.4)  # a proxy's 0.4 CPU fits beside two threads
+    assert fit.update() == 2 and host.set_calls == [1, 2]
+
+
+def test_a_reading_after_a_long_idle_gap_only_restarts_the_interval(monkeypatch):
+    monkeypatch.delenv("MINI_INFER_FIT_THREADS", raising=False)
+    host = _Host()
+    fit = host.threads()
+    host.run(30.0, own_cpus=0.0, other_cpus=2.0)  # no step ran for 30 s while another job ran
+    assert fit.update() == 2 and host.set_calls == []
+    host.run(0.5, own_cpus=1.0, other_cpus=1.0)  # the job is still there at the next step
+    assert fit.update() == 1 and host.set_calls == [1]
+
+
+def test_fitting_is_off_for_one_thread_a_host_without_proc_stat_or_when_asked(monkeypatch):
+    monkeypatch.delenv("MINI_INFER_FIT_THREADS", raising=False)
+    host = _Host()
+    assert not host.threads(max_threads=1).enabled
+    no_stat = threads.FreeCpuThreads(2, cpus=frozenset({0, 1}), busy_seconds=lambda cpus: None,
+                                     set_threads=host.set_calls.append)
+    assert not no_stat.enabled and no_stat.update() == 2
+    monkeypatch.setenv("MINI_INFER_FIT_THREADS", "0")
+    asked = host.threads()
+    host.run(1.0, own_cpus=1.0, other_cpus=1.0)
+    assert not asked.enabled and asked.update() == 2 and host.set_calls == []
+    assert threads.wait_policy_env()["MINI_INFER_FIT_THREADS"] == "0"  # and an engine actor gets it
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_a_real_busy_process_on_one_of_our_cpus_is_seen(monkeypatch):
+    monkeypatch.delenv("MINI_INFER_FIT_THREADS", raising=False)
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    set_calls: list[int] = []
+    fit = threads.FreeCpuThreads(2, 0.5, cpus=frozenset(cpus), set_threads=set_calls.append)
+    code = (f"import os, time\nos.sched_setaffinity(0, {{{cpus[-1]}}})\n"
+            "end = time.time() + 20\nwhile time.time() < end: pass")
+    busy = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 10
+        while fit.threads == 2 and time.monotonic() < deadline:
+            time.sleep(0.6)
+            fit.update()
+        assert fit.threads == 1 and set_calls == [1]
+        assert 0.5 < fit.others <= 2.0
+    finally:
+        busy.kill()
+        busy.wait(timeout=10)
