@@ -12,8 +12,8 @@ other processes leave CPUs free (``FreeCpuThreads``). A decode step runs ~400 pa
 to sleep in between costs a futex wake per region (~60 us on a KVM guest). libgomp's own
 default spins 300,000 iterations first: its spin iteration is a ``pause`` instruction,
 12.7 ns on an Intel Xeon with AMX-BF16 (timed, 30,000 in a loop), so ~4 ms of a core after every
-region. 30,000 (~0.4 ms there) keeps the threads awake across a step's gaps: on that Xeon,
-AMX-BF16, 2 vCPUs, bf16 w1_mixed (``python -m engine generate``, 2026-12-02), 1,000 / 3,000 /
+region. 30,000 (~0.4 ms there) keeps the threads awake across a step's gaps: on that Xeon (2
+vCPUs), bf16 w1_mixed (``python -m engine generate``, 2026-12-02), 1,000 / 3,000 /
 10,000 / 30,000 / 300,000 spins gave 367.7-376.2 / 389.3-390.3 / 425.1 / 443.5-445.6 /
 443.1-450.2 output tok/s. Spinning threads and another process on the same cores slow each
 other down many times over (docs/PERFORMANCE.md, "Threads on a busy host": 0.11-0.30 of the
