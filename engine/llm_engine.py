@@ -454,6 +454,9 @@ class LLMEngine:
         taken from the waiting queue (a preempted one is looked up again), and of those the
         ones found in the cache; ``prefix_cache_hit_rate`` is their ratio (0 before any).
         ``num_generation_tokens`` counts the tokens sampled since the engine started.
+        ``num_cpu_threads`` is the intra-op thread count the last step ran with on a CPU
+        (``engine.threads.FreeCpuThreads``: fewer while other processes use the CPUs), None
+        on a GPU.
         """
         bm, sched = self.block_manager, self.scheduler
         total, free = bm.num_blocks, bm.num_free_blocks
@@ -471,6 +474,7 @@ class LLMEngine:
             "num_cached_blocks": bm.num_cached_blocks,
             "num_free_cached_blocks": bm.num_free_cached_blocks,
             "num_generation_tokens": self.num_generation_tokens,
+            "num_cpu_threads": self.model_runner.num_cpu_threads,
         }
 
 

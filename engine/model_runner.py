@@ -133,6 +133,11 @@ class ModelRunner:
         if self.device.type == "cpu" and not config.enforce_eager:
             self.compiled_glue = self._compile_glue()
 
+    @property
+    def num_cpu_threads(self) -> int | None:
+        """The intra-op threads a CPU step runs with now (``FreeCpuThreads``); None on a GPU."""
+        return self.free_cpu_threads.threads if self.free_cpu_threads is not None else None
+
     # ---- set-up --------------------------------------------------------------------------
 
     def _build_model(self, loaded: LoadedModel):

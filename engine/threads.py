@@ -260,7 +260,7 @@ class FreeCpuThreads:
         elif threads < self.max_threads and free >= threads + 0.7:
             threads = min(self.max_threads, math.floor(free + 0.3))
         if threads != self.threads:
-            logger.debug("intra-op threads %d -> %d: other processes used %.2f of %d CPUs",
+            logger.info("intra-op threads %d -> %d: other processes used %.2f of %d CPUs",
                          self.threads, threads, self.others, len(self.cpus))
             self._set_threads(threads)
             self.threads = threads

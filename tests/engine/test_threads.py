@@ -131,6 +131,9 @@ def test_every_cpu_step_fits_the_threads_first(monkeypatch):
         llm = LLM("dummy:tiny-llama", device="cpu", kv_cache_memory_gb=0.01)
         runner = llm.llm_engine.model_runner
         assert runner.free_cpu_threads.max_threads == 2
+        assert llm.llm_engine.stats()["num_cpu_threads"] == runner.free_cpu_threads.threads == 2
+        runner.free_cpu_threads.threads = 1  # as after a busy neighbour (the count is read, not kept)
+        assert llm.llm_engine.stats()["num_cpu_threads"] == 1
         calls = []
         monkeypatch.setattr(runner.free_cpu_threads, "update", lambda: calls.append(1))
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
