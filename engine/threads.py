@@ -208,6 +208,9 @@ class FreeCpuThreads:
         busy_seconds, process_time, clock, set_threads: where the readings come from and the
             count goes (``read_busy_cpu_seconds``, ``time.process_time``, ``time.monotonic``,
             ``torch.set_num_threads``); tests pass their own.
+
+    Raises:
+        ValueError: ``MINI_INFER_FIT_THREADS`` is set to something other than 0 or 1.
     """
 
     def __init__(self, max_threads: int, interval_s: float = 0.5, *, cpus: frozenset[int] | None = None,
@@ -231,7 +234,11 @@ class FreeCpuThreads:
 
             set_threads = torch.set_num_threads
         self._set_threads = set_threads
-        fitting = max_threads > 1 and os.environ.get(FIT_THREADS_SETTING, "1") != "0"
+        setting = os.environ.get(FIT_THREADS_SETTING, "1")
+        if setting not in ("0", "1"):
+            raise ValueError(f"{FIT_THREADS_SETTING} must be 0 (always cpus_given() threads) or 1 "
+                             f"(fewer while other processes use the CPUs); got {setting!r}")
+        fitting = max_threads > 1 and setting == "1"
         self._last = self._read() if fitting else None
         self.enabled = self._last is not None
 

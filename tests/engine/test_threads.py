@@ -220,6 +220,9 @@ def test_fitting_is_off_for_one_thread_a_host_without_proc_stat_or_when_asked(mo
     host.run(1.0, own_cpus=1.0, other_cpus=1.0)
     assert not asked.enabled and asked.update() == 2 and host.set_calls == []
     assert threads.wait_policy_env()["MINI_INFER_FIT_THREADS"] == "0"  # and an engine actor gets it
+    monkeypatch.setenv("MINI_INFER_FIT_THREADS", "no")
+    with pytest.raises(ValueError, match=r"^MINI_INFER_FIT_THREADS must be 0 .* or 1 .*; got 'no'$"):
+        host.threads()
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
