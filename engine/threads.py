@@ -188,7 +188,9 @@ class FreeCpuThreads:
     (``time.process_time``, every thread of it): the rest is what other processes ran there,
     ``others`` CPUs on average. It then runs ``threads`` intra-op threads, between 1 and
     ``max_threads``: one fewer as soon as they no longer fit in the CPUs left free
-    (``len(cpus) - others < threads - 0.5``, e.g. another process using half a CPU of two),
+    (``len(cpus) - others < min(threads, len(cpus)) - 0.5``, e.g. another process using more
+    than half a CPU of two; a count above the CPUs that the user asked for is kept while no
+    other process needs them),
     one more back once the free CPUs have room for it with 0.3 to spare (hysteresis: a load
     that hovers near half a CPU does not flip the count every interval). A thread that would
     spin (``WAIT_POLICY_ENV``) on a CPU another process wants costs both many times over;
@@ -262,10 +264,11 @@ class FreeCpuThreads:
         self.others = max(0.0, (busy - own) / wall)
         free = len(self.cpus) - self.others
         threads = self.threads
-        if free < threads - 0.5:
+        if free < min(threads, len(self.cpus)) - 0.5:
             threads = max(1, math.floor(free + 0.5))
         elif threads < self.max_threads and free >= threads + 0.7:
-            threads = min(self.max_threads, math.floor(free + 0.3))
+            # all CPUs free again: the count asked for, even one above the CPUs (OMP_NUM_THREADS)
+            threads = self.max_threads if free + 0.3 >= len(self.cpus) else math.floor(free + 0.3)
         if threads != self.threads:
             logger.info("intra-op threads %d -> %d: other processes used %.2f of %d CPUs",
                          self.threads, threads, self.others, len(self.cpus))

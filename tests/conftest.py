@@ -14,6 +14,11 @@ if not torch.cuda.is_available():
 # Every scheduler step checks the block manager's invariants (engine.block_manager), here
 # and in the services and subprocesses the tests start.
 os.environ.setdefault("MINI_INFER_DEBUG_CHECKS", "1")
+# A fixed intra-op thread count (engine.threads.FreeCpuThreads off): bf16 greedy output on a
+# CPU with bf16 units changes with the thread count (fp32 does not), and tests compare runs
+# token for token; a neighbour's load on the test host must not change them mid-test.
+# tests/engine/test_threads.py turns the fitting back on where it tests it.
+os.environ.setdefault("MINI_INFER_FIT_THREADS", "0")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -34,6 +34,7 @@ def test_engine_placement_follows_the_ray_cluster(monkeypatch, device, cluster_g
 
     import app
 
+    monkeypatch.delenv("MINI_INFER_FIT_THREADS", raising=False)  # tests/conftest.py sets it
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": cluster_gpus})
     monkeypatch.setattr("torch.cuda.is_available", lambda: not expected)  # must not decide

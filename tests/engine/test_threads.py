@@ -35,6 +35,7 @@ def test_cpus_given_in_a_ray_actor_is_its_num_cpus_floored(monkeypatch):
 def test_the_wait_is_a_30000_iteration_spin_unless_the_user_chose_one(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("MINI_INFER_FIT_THREADS", raising=False)  # tests/conftest.py sets it
     assert threads.set_wait_policy_env() is False  # torch is imported here: too late for it
     assert os.environ["GOMP_SPINCOUNT"] == "30000"
     assert "OMP_WAIT_POLICY" not in os.environ
@@ -127,10 +128,12 @@ def test_every_cpu_step_fits_the_threads_first(monkeypatch):
 
     before = torch.get_num_threads()
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.delenv("MINI_INFER_FIT_THREADS", raising=False)
     try:
         llm = LLM("dummy:tiny-llama", device="cpu", kv_cache_memory_gb=0.01)
         runner = llm.llm_engine.model_runner
         assert runner.free_cpu_threads.max_threads == 2
+        assert runner.free_cpu_threads.enabled  # /proc/stat, two threads
         assert llm.llm_engine.stats()["num_cpu_threads"] == runner.free_cpu_threads.threads == 2
         runner.free_cpu_threads.threads = 1  # as after a busy neighbour (the count is read, not kept)
         assert llm.llm_engine.stats()["num_cpu_threads"] == 1
@@ -196,6 +199,18 @@ def test_a_busy_neighbour_takes_a_thread_away_until_it_stops(monkeypatch):
     assert fit.update() == 2 and host.set_calls == [1, 2]
     host.run(0.5, own_cpus=2.0, other_cpus=0.4)  # a proxy's 0.4 CPU fits beside two threads
     assert fit.update() == 2 and host.set_calls == [1, 2]
+
+
+def test_a_count_above_the_cpus_that_the_user_asked_for_is_kept_on_a_quiet_host(monkeypatch):
+    monkeypatch.delenv("MINI_INFER_FIT_THREADS", raising=False)
+    host = _Host()
+    fit = host.threads(max_threads=4)  # OMP_NUM_THREADS=4 on two CPUs
+    host.run(0.5, own_cpus=2.0, other_cpus=0.0)
+    assert fit.update() == 4 and host.set_calls == []
+    host.run(0.5, own_cpus=1.4, other_cpus=0.6)
+    assert fit.update() == 1
+    host.run(0.5, own_cpus=1.0, other_cpus=0.0)
+    assert fit.update() == 4 and host.set_calls == [1, 4]
 
 
 def test_a_reading_after_a_long_idle_gap_only_restarts_the_interval(monkeypatch):
