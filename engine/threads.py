@@ -119,10 +119,17 @@ def cpus_given() -> int:
     ray_cpus = _ray_assigned_cpus()
     if ray_cpus is not None:
         return max(1, int(ray_cpus))
+    mask = affinity_cpus()
+    return max(1, len(mask) if mask is not None else os.cpu_count() or 1)
+
+
+def affinity_cpus() -> frozenset[int] | None:
+    """The CPUs this process's affinity mask allows, or None where there is no such mask (not
+    Linux)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # not Linux
-        return max(1, os.cpu_count() or 1)
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
 
 
 def _ray_assigned_cpus() -> float | None:
@@ -221,10 +228,7 @@ class FreeCpuThreads:
                  clock: Callable[[], float] = time.monotonic,
                  set_threads: Callable[[int], None] | None = None) -> None:
         if cpus is None:
-            try:
-                cpus = frozenset(os.sched_getaffinity(0))
-            except (AttributeError, OSError):  # not Linux: nothing to read either
-                cpus = frozenset()
+            cpus = affinity_cpus() or frozenset()  # not Linux: no /proc/stat to read either
         self.max_threads = max_threads
         self.threads = max_threads
         self.interval_s = interval_s
@@ -242,7 +246,11 @@ class FreeCpuThreads:
                              f"(fewer while other processes use the CPUs); got {setting!r}")
         fitting = max_threads > 1 and setting == "1"
         self._last = self._read() if fitting else None
-        self.enabled = self._last is not None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the count is fitted: more than one thread, the setting on, a first reading."""
+        return self._last is not None
 
     def _read(self) -> tuple[float, float, float] | None:
         busy = self._busy_seconds(self.cpus) if self.cpus else None
@@ -271,7 +279,7 @@ class FreeCpuThreads:
             threads = self.max_threads if free + 0.3 >= len(self.cpus) else math.floor(free + 0.3)
         if threads != self.threads:
             logger.info("intra-op threads %d -> %d: other processes used %.2f of %d CPUs",
-                         self.threads, threads, self.others, len(self.cpus))
+                        self.threads, threads, self.others, len(self.cpus))
             self._set_threads(threads)
             self.threads = threads
         return self.threads
