@@ -1,6 +1,8 @@
 """The CPU backend: one C++ call per layer for the whole flattened batch, decode tokens and
 prefill chunks alike, reading K and V in place through the block table, and one that stores the
-step's new K/V (``csrc/``).
+step's new K/V (``csrc/``). On CPUs with AMX, bf16 prefill chunks of 128 tokens or more go
+from inside that call to torch's CPU ``scaled_dot_product_attention`` instead, whose matmuls
+use the tiles (``sdpa_prefill_default``, ``$MINI_INFER_CPU_PREFILL``).
 
 The kernels are compiled once per instruction set into one extension (AVX-512 with
 AVX512_BF16, AVX-512F, AVX2 + FMA + F16C, portable scalar; only the scalar one off x86-64 or
@@ -31,6 +33,8 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "attention_kernels.cpp"]
 ISA_ENV = "MINI_INFER_CPU_ISA"  # the kernels a call that names none runs: "auto" or a name
+PREFILL_ENV = "MINI_INFER_CPU_PREFILL"  # how long bf16 prefill chunks run: "auto", "sdpa" or "tiles"
+PREFILL_CHOICES = ("auto", "sdpa", "tiles")
 
 
 def extension_name() -> str:
@@ -89,9 +93,42 @@ def selected_isa(head_dim: int, isa: str | None = None) -> str:
     return load().selected_isa(head_dim, _isa(isa))
 
 
+@functools.cache
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles that this process may use (torch's own check, which
+    also asks the OS for the tile state)."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(check and check())
+
+
+def sdpa_prefill_default(prefill: str | None = None) -> bool:
+    """Whether bf16 prefill chunks of 128 tokens or more run through torch's CPU
+    ``scaled_dot_product_attention`` (one call per chunk from inside the C++ call, keys and
+    values gathered from the chunk's blocks) instead of the key-tile kernels.
+
+    Args:
+        prefill: ``"sdpa"``, ``"tiles"`` or ``"auto"``: SDPA where the CPU has AMX, whose
+            tiles torch's kernel uses for its matmuls (Xeon with AMX, 2 threads, SmolLM2's
+            heads: 5 chunks of 400 tokens in 3.0 ms against the tiles' 5.9 ms, 2 x 1,024 in
+            5.0 against 13.8; docs/PERFORMANCE.md). CPUs without AMX keep the tiles, which
+            nothing here has measured against SDPA there. None means ``$MINI_INFER_CPU_PREFILL``,
+            else ``"auto"``.
+
+    Raises:
+        ValueError: for any other value (naming the variable where it came from there).
+    """
+    source = "prefill"
+    if prefill is None:
+        prefill, source = os.environ.get(PREFILL_ENV) or "auto", PREFILL_ENV
+    if prefill not in PREFILL_CHOICES:
+        raise ValueError(f"{source} must be one of {', '.join(PREFILL_CHOICES)}; got {prefill!r}")
+    return prefill == "sdpa" or (prefill == "auto" and has_amx())
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float, isa: str | None = None, num_splits: int = 0) -> torch.Tensor:
+                    scale: float, isa: str | None = None, num_splits: int = 0,
+                    prefill: str | None = None) -> torch.Tensor:
     """Same contract as ``kernels.reference.paged_attention`` (CPU tensors; fp32, bf16 or fp16).
 
     Args:
@@ -99,6 +136,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             ``$MINI_INFER_CPU_ISA`` where set, else ``"auto"``.
         num_splits: 0 splits a decode token's context across threads only when the batch has
             too few tasks to keep every thread busy; ``n > 0`` splits every one ``n`` ways.
+        prefill: how bf16 prefill chunks of 128 tokens or more run, ``sdpa_prefill_default``'s
+            argument (fp32 and fp16 chunks, and shorter ones, always run as tiles: torch's
+            fp32 SDPA was 0.9-1.2x the tiles' time).
 
     The call releases the GIL while it computes, so that a served replica's other Python
     threads (Ray's, the asyncio loop streaming outputs) run beside the step loop.
@@ -106,9 +146,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Raises:
         RuntimeError: for inconsistent shapes or dtypes, a block-table entry outside the cache,
             a query longer than its sequence, or an ``isa`` this CPU cannot run.
+        ValueError: for a ``prefill`` (or ``$MINI_INFER_CPU_PREFILL``) not in ``PREFILL_CHOICES``.
     """
     return load().paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                  scale, _isa(isa), num_splits)
+                                  scale, _isa(isa), num_splits, sdpa_prefill_default(prefill))
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -35,6 +35,11 @@ constexpr int64_t kMinSplitKeys = 256;       // keys of one split, at least
 // Below this many (query row, key) pairs, about 30 us of work, a call runs on one thread: waking
 // the others costs more (ATen's at::internal::GRAIN_SIZE is the same number of elements).
 constexpr int64_t kMinParallelWork = 32768;
+// Prefill chunks of at least this many tokens go to torch's SDPA where the caller asks for it
+// (run_sdpa_prefills); shorter ones stay tasks beside the decode tokens. Xeon with AMX, bf16,
+// 2 threads, SmolLM2's heads, tasks against SDPA: 3 x 64 tokens 0.16 / 0.19 ms, 2 x 100 0.19 /
+// 0.24 ms, 16 x 128 2.8 / 1.9 ms (a call's gather, mask and dispatch cost ~50 us).
+constexpr int64_t kSdpaMinQueryTokens = 128;
 
 // ---------------------------------------------------------------- instruction sets
 
@@ -171,11 +176,15 @@ void add_prefill(Plan& plan, int64_t seq, int64_t token_begin, int64_t query_len
   }
 }
 
-Plan plan_work(const BatchShape& s, int64_t group, int64_t forced_splits, bool whole_decode_tokens) {
+// `prefill_tasks` false: prefill chunks of kSdpaMinQueryTokens or more are left out
+// (run_sdpa_prefills computes them).
+Plan plan_work(const BatchShape& s, int64_t group, int64_t forced_splits, bool whole_decode_tokens,
+               bool prefill_tasks) {
   int64_t tasks = 0;  // without splits
   const int64_t tokens_per_task = std::max<int64_t>(1, kPrefillRowsPerTask / group);
   for (int64_t i = 0; i < s.num_seqs; ++i) {
     const int64_t query_len = s.query_start_loc[i + 1] - s.query_start_loc[i];
+    if (query_len >= kSdpaMinQueryTokens && !prefill_tasks) continue;
     const int64_t per_head = (query_len + tokens_per_task - 1) / tokens_per_task;
     tasks += query_len == 1 && whole_decode_tokens ? 1 : s.num_kv_heads * per_head;
   }
@@ -184,6 +193,7 @@ Plan plan_work(const BatchShape& s, int64_t group, int64_t forced_splits, bool w
   const int64_t threads = at::get_num_threads();
   for (int64_t i = 0; i < s.num_seqs; ++i) {
     const int64_t token = s.query_start_loc[i], query_len = s.query_start_loc[i + 1] - token, len = s.seq_lens[i];
+    if (query_len >= kSdpaMinQueryTokens && !prefill_tasks) continue;
     const int64_t splits = decode_splits(len, tasks, threads, forced_splits);
     if (query_len == 1 && whole_decode_tokens) {
       add_decode(plan, i, token, len, 0, s.num_kv_heads, group, splits);
@@ -312,14 +322,48 @@ void run_plan(const Plan& plan, const AttentionProblem& problem, int64_t num_kv_
   for (const SplitGroup& split : plan.splits) merge_splits(split, output, partials, acc.data());
 }
 
+// Prefill chunks (query_len > 1) through torch's CPU scaled_dot_product_attention, one call per
+// chunk, from inside this call (no Python per sequence): the chunk's keys and values are
+// gathered from its blocks into one [len, num_kv_heads, head_dim] copy each (index_select over
+// whole blocks; 1.5 KiB a token for SmolLM2 in bf16, next to 2 x 9 x 64 x len multiply-adds per
+// query token), its queries and output are strided views of `query` and `out`. A chunk that
+// starts its sequence is causal (is_causal); one after a cached context sees every cached key
+// and the causal part of its own (a mask, -inf above diagonal len - query_len). torch's kernel
+// (its flash attention for the CPU, GQA through enable_gqa) blocks over queries and keys and
+// runs its matmuls through cpublas: on a Xeon with AMX, 2 threads, SmolLM2's heads, bf16, 5
+// chunks of 400 tokens took 3.1 ms against the key-tile kernels' 6.6 ms (docs/PERFORMANCE.md).
+void run_sdpa_prefills(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& tables, const BatchShape& s, double scale, torch::Tensor& out) {
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  for (int64_t i = 0; i < s.num_seqs; ++i) {
+    const int64_t token = s.query_start_loc[i], query_len = s.query_start_loc[i + 1] - token, len = s.seq_lens[i];
+    if (query_len < kSdpaMinQueryTokens) continue;
+    const int64_t blocks = (len + block_size - 1) / block_size;
+    const auto ids = tables[i].narrow(0, 0, blocks).to(torch::kInt64);
+    auto gather = [&](const torch::Tensor& cache) {  // [1, num_kv_heads, len, head_dim], strided
+      return cache.index_select(0, ids).view({blocks * block_size, num_kv_heads, head_dim}).narrow(0, 0, len)
+          .transpose(0, 1).unsqueeze(0);
+    };
+    const auto q = query.narrow(0, token, query_len).transpose(0, 1).unsqueeze(0);  // [1, H, query_len, D]
+    std::optional<torch::Tensor> mask;
+    if (query_len < len)  // row r is position len - query_len + r: keys up to it
+      mask = torch::ones({query_len, len}, torch::dtype(torch::kBool)).tril(len - query_len);
+    const auto o = at::scaled_dot_product_attention(q, gather(k_cache), gather(v_cache), mask, 0.0,
+                                                    /*is_causal=*/!mask.has_value(), scale, /*enable_gqa=*/true);
+    out.narrow(0, token, query_len).copy_(o.squeeze(0).transpose(0, 1));
+  }
+}
+
 }  // namespace
 
 // query: [num_tokens, num_heads, head_dim]; returns the same shape and dtype. `isa`: "auto" or
-// one of supported_isas(); `num_splits` > 0 splits every decode context that many ways (tests).
+// one of supported_isas(); `num_splits` > 0 splits every decode context that many ways (tests);
+// `sdpa_prefill`: bf16 prefill chunks of kSdpaMinQueryTokens or more go through
+// run_sdpa_prefills, not the tasks.
 torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
                               const torch::Tensor& seq_lens, double scale, const std::string& isa,
-                              int64_t num_splits) {
+                              int64_t num_splits, bool sdpa_prefill) {
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_attention: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "paged_attention: query [T, H, D], cache [N, B, KVH, D]");
@@ -354,7 +398,8 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   // threads, 1 GiB flushed) and bf16 ones 0.78-0.83x on both CPUs, so there a task is one KV
   // head (docs/PERFORMANCE.md).
   const bool whole_decode_tokens = query.scalar_type() == torch::kFloat32 && kernels.whole_decode_tokens_f32;
-  const Plan plan = plan_work(shape, group, num_splits, whole_decode_tokens);
+  const bool sdpa = sdpa_prefill && query.scalar_type() == torch::kBFloat16;
+  const Plan plan = plan_work(shape, group, num_splits, whole_decode_tokens, /*prefill_tasks=*/!sdpa);
   auto out = torch::empty_like(query);
   switch (query.scalar_type()) {
     case torch::kFloat32: run_plan<float>(plan, problem, shape.num_kv_heads, kernels.attend_f32, out); break;
@@ -362,6 +407,7 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
     case torch::kHalf: run_plan<c10::Half>(plan, problem, shape.num_kv_heads, kernels.attend_f16, out); break;
     default: TORCH_CHECK(false, "paged_attention: dtype must be float32, bfloat16 or float16; got ", query.scalar_type());
   }
+  if (sdpa) run_sdpa_prefills(query, k_cache, v_cache, tables, shape, scale, out);
   return out;
 }
 
@@ -472,7 +518,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged causal attention on the CPU (decode tokens and prefill chunks)",
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("isa") = "auto", py::arg("num_splits") = 0,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("sdpa_prefill") = false, py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) for fp32 [rows, vocab] logits",
         py::arg("logits"), py::call_guard<py::gil_scoped_release>());
   m.def("supported_isas", &supported_isas, "Instruction sets this CPU runs, best first");

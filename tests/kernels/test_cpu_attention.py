@@ -75,6 +75,53 @@ def test_split_context_matches_reference(isa, shape_id, dtype, num_splits):
     _assert_matches(cpu_attention.paged_attention(*batch.args(), isa=isa, num_splits=num_splits), expected)
 
 
+# Prefill chunks of 128 query tokens or more, fresh and after cached tokens, beside decode
+# tokens and shorter chunks (which stay tiles): the bf16 ones take torch's SDPA with
+# prefill="sdpa" (cpu_attention.sdpa_prefill_default).
+LONG_CHUNKS = [(300, 300), (400, 150), (129, 128), (50, 1), (200, 127), (17, 17), (160, 160)]
+LONG_SHAPES = {"long-chunks-g3-d64-b16": (LONG_CHUNKS, 9, 3, 64, 16),
+               "long-chunks-g7-d128-b8": (LONG_CHUNKS, 14, 2, 128, 8)}
+
+
+@pytest.mark.parametrize("prefill", ["sdpa", "tiles"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape_id", LONG_SHAPES)
+def test_long_prefill_chunks_match_reference_either_way(shape_id, dtype, prefill):
+    seqs, num_heads, num_kv_heads, head_dim, block_size = LONG_SHAPES[shape_id]
+    batch = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=3)
+    _assert_matches(cpu_attention.paged_attention(*batch.args(), prefill=prefill),
+                    reference.paged_attention(*batch.args()))
+
+
+def test_sdpa_prefill_takes_only_long_bf16_chunks():
+    """fp32 chunks and chunks under 128 tokens are the tiles' whatever ``prefill`` says; a long
+    bf16 chunk is computed differently (rounded differently) by SDPA."""
+    short = make_batch([(100, 100), (300, 127), (40, 1)], 9, 3, 64, 16, torch.bfloat16, seed=1)
+    assert torch.equal(cpu_attention.paged_attention(*short.args(), prefill="sdpa"),
+                       cpu_attention.paged_attention(*short.args(), prefill="tiles"))
+    fp32 = make_batch(LONG_CHUNKS, 9, 3, 64, 16, torch.float32, seed=1)
+    assert torch.equal(cpu_attention.paged_attention(*fp32.args(), prefill="sdpa"),
+                       cpu_attention.paged_attention(*fp32.args(), prefill="tiles"))
+    long = make_batch(LONG_CHUNKS, 9, 3, 64, 16, torch.bfloat16, seed=1)
+    assert not torch.equal(cpu_attention.paged_attention(*long.args(), prefill="sdpa"),
+                           cpu_attention.paged_attention(*long.args(), prefill="tiles"))
+
+
+def test_prefill_setting_is_checked_and_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv(cpu_attention.PREFILL_ENV, raising=False)
+    assert cpu_attention.sdpa_prefill_default() == cpu_attention.has_amx()
+    assert cpu_attention.sdpa_prefill_default("sdpa") and not cpu_attention.sdpa_prefill_default("tiles")
+    monkeypatch.setenv(cpu_attention.PREFILL_ENV, "tiles")
+    assert not cpu_attention.sdpa_prefill_default()
+    assert cpu_attention.sdpa_prefill_default("sdpa")  # an argument beats the environment
+    monkeypatch.setenv(cpu_attention.PREFILL_ENV, "flash")
+    with pytest.raises(ValueError, match=re.escape("MINI_INFER_CPU_PREFILL must be one of auto, sdpa, tiles; "
+                                                   "got 'flash'")):
+        cpu_attention.sdpa_prefill_default()
+    with pytest.raises(ValueError, match=re.escape("prefill must be one of auto, sdpa, tiles; got 'SDPA'")):
+        cpu_attention.sdpa_prefill_default("SDPA")
+
+
 def test_backend_dispatch_matches_reference():
     batch, expected = _case("mixed-g3-d64-b32", torch.float32)
     _assert_matches(kernels.paged_attention(*batch.args(), backend="cpu"), expected)
