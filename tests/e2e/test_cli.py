@@ -3,6 +3,10 @@ import json
 import subprocess
 import sys
 
+import torch
+
+from engine.model_runner import HUGE_PAGE_BYTES, lazily_zeroed_cpu, populate
+
 
 def run(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True,
@@ -36,6 +40,10 @@ def test_generate_a_workload_file(tmp_path):
     summary = json.loads(summary_path.read_text())
     assert summary["requests"] == 5 and summary["output_tokens"] == 30
     assert summary["output_tokens_per_s"] > 0
+    # the KV cache is backed before the timed run, where this kernel can (the same call here)
+    probe = lazily_zeroed_cpu((HUGE_PAGE_BYTES,), torch.uint8)
+    assert summary["kv_cache_populated"] is populate(probe)
+    assert ("was backed with memory before the timed run" in out.stdout) is summary["kv_cache_populated"]
 
 
 def test_a_shared_prefix_workload_with_prefix_caching_on_and_off(tmp_path):
@@ -48,10 +56,12 @@ def test_a_shared_prefix_workload_with_prefix_caching_on_and_off(tmp_path):
     path.write_text(json.dumps(workload))
     summaries = {}
     for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
-        out = run_eager("generate", "--workload", str(path), "--json-out", str(tmp_path / "s.json"), flag)
+        out = run_eager("generate", "--workload", str(path), "--json-out", str(tmp_path / "s.json"), flag,
+                        "--no-populate-kv-cache")
         assert out.returncode == 0, out.stderr
         summaries[flag] = json.loads((tmp_path / "s.json").read_text())
     on, off = summaries["--enable-prefix-caching"], summaries["--no-enable-prefix-caching"]
+    assert not on["kv_cache_populated"] and on["kv_cache_populate_s"] == 0.0  # --no-populate-kv-cache
     assert on["enable_prefix_caching"] and not off["enable_prefix_caching"]
     # the 2nd and 3rd requests wait one step for the 1st to compute the shared 3 blocks
     assert (on["num_cached_tokens"], off["num_cached_tokens"]) == (2 * 48, 0)
