@@ -83,8 +83,9 @@ def test_auto_dtype_by_compute_capability(monkeypatch, capability, expected):
 
 
 def test_cpu_backend_logs_its_kernels_and_refuses_ones_this_cpu_lacks(monkeypatch, caplog):
-    """``$MINI_INFER_CPU_ISA`` picks the CPU attention kernels; a name this CPU cannot run
-    fails when the engine starts, not at its first step."""
+    """``$MINI_INFER_CPU_ISA`` picks the CPU attention kernels and ``$MINI_INFER_CPU_PREFILL``
+    how long bf16 prefill chunks run; a name this CPU cannot run, or a prefill setting that is
+    no choice, fails when the engine starts, not at its first step."""
     cpu_attention = pytest.importorskip("kernels.cpu_attention")
     if not cpu_attention.is_available():
         pytest.skip("the C++ CPU kernel did not build")
@@ -93,7 +94,16 @@ def test_cpu_backend_logs_its_kernels_and_refuses_ones_this_cpu_lacks(monkeypatc
     monkeypatch.setenv(cpu_attention.ISA_ENV, "scalar")
     with caplog.at_level(logging.INFO, logger="engine.model_runner"):
         LLM(**kwargs)
-    assert "CPU attention: the scalar kernels" in caplog.text
+    assert "CPU attention: the scalar kernels; prefill chunks of 128 tokens or more: the same kernels" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv(cpu_attention.PREFILL_ENV, "sdpa")  # bf16 only: fp32 chunks stay on the kernels
+    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+        LLM(**{**kwargs, "dtype": "bfloat16"})
+    assert "prefill chunks of 128 tokens or more: torch's SDPA" in caplog.text
+    monkeypatch.setenv(cpu_attention.PREFILL_ENV, "flash")
+    with pytest.raises(ValueError, match=r"MINI_INFER_CPU_PREFILL must be one of auto, sdpa, tiles; got 'flash'"):
+        LLM(**kwargs)
+    monkeypatch.delenv(cpu_attention.PREFILL_ENV)
     monkeypatch.setenv(cpu_attention.ISA_ENV, "sse9")
     with pytest.raises(RuntimeError, match=r"unknown isa 'sse9' \(the isa argument or \$MINI_INFER_CPU_ISA\)"):
         LLM(**kwargs)
