@@ -13,7 +13,10 @@ the thread waited for a core, which wall time counts mostly against the longer c
 
 Prefill: a whole batch of prompts or a chunk after cached tokens through the same call, against
 the reference's per-sequence path (``kernels.reference.paged_attention``: gather each
-sequence's K/V, then SDPA), which the CPU backend used for prefill before.
+sequence's K/V, then SDPA), which the CPU backend used for prefill before. The call runs as
+the engine runs it (on a CPU with AMX its long bf16 chunks go to torch's SDPA,
+``cpu_attention.sdpa_prefill_default``); "tiles ms" is the same call with every chunk on the
+project's tile kernels (``prefill="tiles"``).
 
 The attention shape defaults to SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64), the
 model the CPU engine serves; ``--shape qwen2.5-7b`` takes kernel_bench's GPU shape.
@@ -128,10 +131,12 @@ def prefill_rows(shape: AttentionShape, dtype: torch.dtype, isa: str | None, flu
     for name, seqs in cases:
         args = make_prefill_inputs(seqs, shape, dtype)
         fns = {"kernel": functools.partial(cpu_attention.paged_attention, *args, isa=isa),
+               "tiles": functools.partial(cpu_attention.paged_attention, *args, isa=isa, prefill="tiles"),
                "per_sequence": functools.partial(reference.paged_attention, *args)}
         seconds = time_turns(fns, flush, rounds, clock)
         rows.append({"case": name, "query_tokens": int(args[0].shape[0]),
-                     "kernel_ms": _sig(seconds["kernel"] * 1e3), "per_sequence_ms": _sig(seconds["per_sequence"] * 1e3),
+                     "kernel_ms": _sig(seconds["kernel"] * 1e3), "tiles_ms": _sig(seconds["tiles"] * 1e3),
+                     "per_sequence_ms": _sig(seconds["per_sequence"] * 1e3),
                      "speedup": _sig(seconds["per_sequence"] / seconds["kernel"])})
     return rows
 
@@ -214,9 +219,9 @@ def format_decode_table(rows: list[dict]) -> str:
 
 def format_prefill_table(rows: list[dict]) -> str:
     """Prefill rows as a fixed-width table."""
-    lines = [f"{'case':<36} {'tokens':>6} {'kernel ms':>9} {'per-seq ms':>10} {'speedup':>7}"]
-    lines += [f"{r['case']:<36} {r['query_tokens']:>6} {r['kernel_ms']:>9.2f} {r['per_sequence_ms']:>10.2f} "
-              f"{r['speedup']:>6.2f}x" for r in rows]
+    lines = [f"{'case':<36} {'tokens':>6} {'kernel ms':>9} {'tiles ms':>8} {'per-seq ms':>10} {'speedup':>7}"]
+    lines += [f"{r['case']:<36} {r['query_tokens']:>6} {r['kernel_ms']:>9.2f} {r['tiles_ms']:>8.2f} "
+              f"{r['per_sequence_ms']:>10.2f} {r['speedup']:>6.2f}x" for r in rows]
     return "\n".join(lines)
 
 

@@ -130,7 +130,9 @@ def run_workload(llm: LLM, path: Path, populate_kv_cache: bool = True) -> dict:
             "device": str(llm.llm_engine.model_runner.device),
             "attention_backend": llm.llm_engine.model_runner.backend,
             "num_preemptions": stats["num_preemptions"],
-            "kv_cache_populated": populated, "kv_cache_populate_s": round(populate_s, 3),
+            "kv_cache_populated": populated,
+            "kv_cache_populate_s": round(populate_s, 3) if populate_kv_cache else None,
+            "cpu_attention": llm.llm_engine.model_runner.cpu_attention,
             "enable_prefix_caching": llm.llm_engine.config.cache.enable_prefix_caching,
             "num_cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
             "prefix_cache_hit_rate": round(stats["prefix_cache_hit_rate"], 4)}

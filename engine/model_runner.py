@@ -113,14 +113,17 @@ class ModelRunner:
         self.num_kv_heads = hf.num_key_value_heads
         self.head_dim = head_dim_of(hf)
         argmax_rows = None  # the sampler's: torch.argmax, or the CPU backend's C++ one
+        # the CPU backend's kernels: {"isa": ..., "prefill": "sdpa" or "tiles"}; None otherwise
+        self.cpu_attention: dict[str, str] | None = None
         if self.backend == "cpu":  # which kernels run; a $MINI_INFER_CPU_ISA this CPU lacks, or a
             # $MINI_INFER_CPU_PREFILL that is no choice, fails here
             from kernels import cpu_attention
 
-            prefill = ("torch's SDPA" if cpu_attention.sdpa_prefill_default() and self.dtype == torch.bfloat16
-                       else "the same kernels")
+            sdpa = cpu_attention.sdpa_prefill_default() and self.dtype == torch.bfloat16
+            self.cpu_attention = {"isa": cpu_attention.selected_isa(self.head_dim),
+                                  "prefill": "sdpa" if sdpa else "tiles"}
             logger.info("CPU attention: the %s kernels; prefill chunks of 128 tokens or more: %s",
-                        cpu_attention.selected_isa(self.head_dim), prefill)
+                        self.cpu_attention["isa"], "torch's SDPA" if sdpa else "the same kernels")
             argmax_rows = cpu_attention.argmax_rows
         self.vocab_size = hf.vocab_size
         self.model = self._build_model(loaded)

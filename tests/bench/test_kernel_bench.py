@@ -102,6 +102,7 @@ def test_cpu_bench_small_run_reports_every_combination():
         (prefill,) = result["prefill"][dtype]
         assert prefill["query_tokens"] == 37
         assert prefill["speedup"] == pytest.approx(prefill["per_sequence_ms"] / prefill["kernel_ms"], rel=1e-3)
+        assert prefill["tiles_ms"] > 0
 
 
 def test_cpu_subcommand_writes_json_and_plot(tmp_path, capsys):

@@ -6,6 +6,7 @@ import sys
 import torch
 
 from engine.model_runner import HUGE_PAGE_BYTES, lazily_zeroed_cpu, populate
+from kernels import cpu_attention
 
 
 def run(*args, cwd=None):
@@ -44,6 +45,14 @@ def test_generate_a_workload_file(tmp_path):
     probe = lazily_zeroed_cpu((HUGE_PAGE_BYTES,), torch.uint8)
     assert summary["kv_cache_populated"] is populate(probe)
     assert ("was backed with memory before the timed run" in out.stdout) is summary["kv_cache_populated"]
+    # which CPU kernels ran: this CPU's best (SmolLM2's head_dim 64); SDPA for long prefill
+    # chunks only in bf16 and where it is the default here (a CPU with AMX)
+    if summary["attention_backend"] == "cpu":
+        sdpa = summary["dtype"] == "bfloat16" and cpu_attention.sdpa_prefill_default()
+        assert summary["cpu_attention"] == {"isa": cpu_attention.selected_isa(64),
+                                            "prefill": "sdpa" if sdpa else "tiles"}
+    else:
+        assert summary["cpu_attention"] is None
 
 
 def test_a_shared_prefix_workload_with_prefix_caching_on_and_off(tmp_path):
@@ -61,7 +70,7 @@ def test_a_shared_prefix_workload_with_prefix_caching_on_and_off(tmp_path):
         assert out.returncode == 0, out.stderr
         summaries[flag] = json.loads((tmp_path / "s.json").read_text())
     on, off = summaries["--enable-prefix-caching"], summaries["--no-enable-prefix-caching"]
-    assert not on["kv_cache_populated"] and on["kv_cache_populate_s"] == 0.0  # --no-populate-kv-cache
+    assert not on["kv_cache_populated"] and on["kv_cache_populate_s"] is None  # --no-populate-kv-cache
     assert on["enable_prefix_caching"] and not off["enable_prefix_caching"]
     # the 2nd and 3rd requests wait one step for the 1st to compute the shared 3 blocks
     assert (on["num_cached_tokens"], off["num_cached_tokens"]) == (2 * 48, 0)
