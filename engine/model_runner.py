@@ -119,11 +119,11 @@ class ModelRunner:
             # $MINI_INFER_CPU_PREFILL that is no choice, fails here
             from kernels import cpu_attention
 
-            sdpa = cpu_attention.sdpa_prefill_default() and self.dtype == torch.bfloat16
             self.cpu_attention = {"isa": cpu_attention.selected_isa(self.head_dim),
-                                  "prefill": "sdpa" if sdpa else "tiles"}
+                                  "prefill": cpu_attention.prefill_path(self.dtype)}
             logger.info("CPU attention: the %s kernels; prefill chunks of 128 tokens or more: %s",
-                        self.cpu_attention["isa"], "torch's SDPA" if sdpa else "the same kernels")
+                        self.cpu_attention["isa"],
+                        "torch's SDPA" if self.cpu_attention["prefill"] == "sdpa" else "the same kernels")
             argmax_rows = cpu_attention.argmax_rows
         self.vocab_size = hf.vocab_size
         self.model = self._build_model(loaded)

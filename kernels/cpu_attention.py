@@ -125,6 +125,16 @@ def sdpa_prefill_default(prefill: str | None = None) -> bool:
     return prefill == "sdpa" or (prefill == "auto" and has_amx())
 
 
+def prefill_path(dtype: torch.dtype, prefill: str | None = None) -> str:
+    """How ``paged_attention`` runs prefill chunks of 128 tokens or more in ``dtype``:
+    ``"sdpa"`` (bf16 where ``sdpa_prefill_default(prefill)``) or ``"tiles"``.
+
+    Raises:
+        ValueError: as ``sdpa_prefill_default``.
+    """
+    return "sdpa" if sdpa_prefill_default(prefill) and dtype == torch.bfloat16 else "tiles"
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, isa: str | None = None, num_splits: int = 0,

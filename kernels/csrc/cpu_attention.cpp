@@ -9,7 +9,9 @@
 //   - a decode token: one task per KV head (its GQA group of query heads together, so K/V is
 //     read once per KV head), or in fp32 one task for all its KV heads; or several over its
 //     context when there are fewer tasks than threads (split-K, merged afterwards);
-//   - a prefill chunk: one task per KV head and kPrefillRowsPerTask query rows (tokens x group).
+//   - a prefill chunk: one task per KV head and kPrefillRowsPerTask query rows (tokens x group);
+//     or, where the caller asks (bf16 on a CPU with AMX), one torch SDPA call for a chunk of
+//     kSdpaMinQueryTokens or more (run_sdpa_prefills).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -40,6 +42,9 @@ constexpr int64_t kMinParallelWork = 32768;
 // 2 threads, SmolLM2's heads, tasks against SDPA: 3 x 64 tokens 0.16 / 0.19 ms, 2 x 100 0.19 /
 // 0.24 ms, 16 x 128 2.8 / 1.9 ms (a call's gather, mask and dispatch cost ~50 us).
 constexpr int64_t kSdpaMinQueryTokens = 128;
+
+// Whether a sequence's chunk of `query_len` tokens goes to run_sdpa_prefills rather than the tasks.
+bool sdpa_chunk(int64_t query_len, bool sdpa) { return sdpa && query_len >= kSdpaMinQueryTokens; }
 
 // ---------------------------------------------------------------- instruction sets
 
@@ -176,15 +181,13 @@ void add_prefill(Plan& plan, int64_t seq, int64_t token_begin, int64_t query_len
   }
 }
 
-// `prefill_tasks` false: prefill chunks of kSdpaMinQueryTokens or more are left out
-// (run_sdpa_prefills computes them).
-Plan plan_work(const BatchShape& s, int64_t group, int64_t forced_splits, bool whole_decode_tokens,
-               bool prefill_tasks) {
+// `sdpa`: the chunks sdpa_chunk picks are left out (run_sdpa_prefills computes them).
+Plan plan_work(const BatchShape& s, int64_t group, int64_t forced_splits, bool whole_decode_tokens, bool sdpa) {
   int64_t tasks = 0;  // without splits
   const int64_t tokens_per_task = std::max<int64_t>(1, kPrefillRowsPerTask / group);
   for (int64_t i = 0; i < s.num_seqs; ++i) {
     const int64_t query_len = s.query_start_loc[i + 1] - s.query_start_loc[i];
-    if (query_len >= kSdpaMinQueryTokens && !prefill_tasks) continue;
+    if (sdpa_chunk(query_len, sdpa)) continue;
     const int64_t per_head = (query_len + tokens_per_task - 1) / tokens_per_task;
     tasks += query_len == 1 && whole_decode_tokens ? 1 : s.num_kv_heads * per_head;
   }
@@ -193,7 +196,7 @@ Plan plan_work(const BatchShape& s, int64_t group, int64_t forced_splits, bool w
   const int64_t threads = at::get_num_threads();
   for (int64_t i = 0; i < s.num_seqs; ++i) {
     const int64_t token = s.query_start_loc[i], query_len = s.query_start_loc[i + 1] - token, len = s.seq_lens[i];
-    if (query_len >= kSdpaMinQueryTokens && !prefill_tasks) continue;
+    if (sdpa_chunk(query_len, sdpa)) continue;
     const int64_t splits = decode_splits(len, tasks, threads, forced_splits);
     if (query_len == 1 && whole_decode_tokens) {
       add_decode(plan, i, token, len, 0, s.num_kv_heads, group, splits);
@@ -322,13 +325,13 @@ void run_plan(const Plan& plan, const AttentionProblem& problem, int64_t num_kv_
   for (const SplitGroup& split : plan.splits) merge_splits(split, output, partials, acc.data());
 }
 
-// Prefill chunks (query_len > 1) through torch's CPU scaled_dot_product_attention, one call per
+// The chunks sdpa_chunk picks through torch's CPU scaled_dot_product_attention, one call per
 // chunk, from inside this call (no Python per sequence): the chunk's keys and values are
 // gathered from its blocks into one [len, num_kv_heads, head_dim] copy each (index_select over
 // whole blocks; 1.5 KiB a token for SmolLM2 in bf16, next to 2 x 9 x 64 x len multiply-adds per
 // query token), its queries and output are strided views of `query` and `out`. A chunk that
 // starts its sequence is causal (is_causal); one after a cached context sees every cached key
-// and the causal part of its own (a mask, -inf above diagonal len - query_len). torch's kernel
+// and the causal part of its own (a bool mask, false above diagonal len - query_len). torch's kernel
 // (its flash attention for the CPU, GQA through enable_gqa) blocks over queries and keys and
 // runs its matmuls through cpublas: on a Xeon with AMX, 2 threads, SmolLM2's heads, bf16, 5
 // chunks of 400 tokens took 3.1 ms against the key-tile kernels' 6.6 ms (docs/PERFORMANCE.md).
@@ -337,7 +340,7 @@ void run_sdpa_prefills(const torch::Tensor& query, const torch::Tensor& k_cache,
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
   for (int64_t i = 0; i < s.num_seqs; ++i) {
     const int64_t token = s.query_start_loc[i], query_len = s.query_start_loc[i + 1] - token, len = s.seq_lens[i];
-    if (query_len < kSdpaMinQueryTokens) continue;
+    if (!sdpa_chunk(query_len, true)) continue;
     const int64_t blocks = (len + block_size - 1) / block_size;
     const auto ids = tables[i].narrow(0, 0, blocks).to(torch::kInt64);
     auto gather = [&](const torch::Tensor& cache) {  // [1, num_kv_heads, len, head_dim], strided
@@ -399,7 +402,7 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   // head (docs/PERFORMANCE.md).
   const bool whole_decode_tokens = query.scalar_type() == torch::kFloat32 && kernels.whole_decode_tokens_f32;
   const bool sdpa = sdpa_prefill && query.scalar_type() == torch::kBFloat16;
-  const Plan plan = plan_work(shape, group, num_splits, whole_decode_tokens, /*prefill_tasks=*/!sdpa);
+  const Plan plan = plan_work(shape, group, num_splits, whole_decode_tokens, sdpa);
   auto out = torch::empty_like(query);
   switch (query.scalar_type()) {
     case torch::kFloat32: run_plan<float>(plan, problem, shape.num_kv_heads, kernels.attend_f32, out); break;
