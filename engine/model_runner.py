@@ -252,19 +252,17 @@ class ModelRunner:
         logger.info("attention kernels warmed up in %.1f s", time.perf_counter() - start)
 
     def _compile_glue(self) -> bool:
-        """``torch.compile`` the layers' glue (``LlamaForCausalLM.compile_glue``) and compile
-        both of its graphs now (a one-token step, and one for any other token count), so that
-        no request waits for the compiler. The second is traced at the full token budget:
-        Inductor tunes its loops (how they split over threads) to the sizes it sees while
-        compiling, and a two-token trace gave a decode step of 64 sequences 1.4x slower. The
-        dummy tokens all read and write block 0, which is zeroed after. Returns False, with
-        the model left eager, where compiling fails (no C++ compiler, an unsupported op): the
-        engine still serves, more slowly."""
+        """Compile the layers' glue (``LlamaForCausalLM.compile_glue``) and both of its
+        graphs now (a one-token step for the decode-sized graph, the full token budget for the
+        prefill-sized one), so that no request waits for the compiler. The dummy tokens all
+        read and write block 0, which is zeroed after. Returns False, with the model left
+        eager, where compiling fails (no C++ compiler, an unsupported op): the engine still
+        serves, more slowly."""
         start = time.perf_counter()
-        self.model.compile_glue()
-        # torch.compile's graphs belong to the process: an engine of a model of the same
-        # config, dtype and matmul mode built in it before (tests build many) reuses them.
+        # The compiled graphs belong to the process: an engine of a model of the same config,
+        # dtype and matmul mode built in it before (tests build many) reuses them.
         signature = (self.model.config.to_json_string(), self.dtype, self.upcast_matmul, self.prepacked_weights)
+        self.model.compile_glue(key=signature)
         if signature in _GLUE_COMPILED:
             return True
         lens = self._full_budget_lens()
@@ -274,14 +272,14 @@ class ModelRunner:
                 self._dummy_forward(self.kv_caches, [(1, 1, [0])], num_logits=1)
                 self._dummy_forward(self.kv_caches, seqs, num_logits=1)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: serve eagerly instead
-            logger.warning("torch.compile of the layer glue failed, running eagerly: %s",
+            logger.warning("compiling the layer glue failed, running eagerly: %s",
                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             self.model.compiled_glue = None
             return False
         finally:
             self.kv_cache[:, :, 0].zero_()
         _GLUE_COMPILED.add(signature)
-        logger.info("layer glue compiled (torch.compile, Inductor) in %.1f s", time.perf_counter() - start)
+        logger.info("layer glue compiled (Inductor) in %.1f s", time.perf_counter() - start)
         return True
 
     @torch.inference_mode()

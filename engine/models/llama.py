@@ -14,17 +14,19 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from engine.models.compiled_glue import CompiledGlue
 
-# Inductor's ``cpp.min_chunk_size`` for the compiled glue: the fewest elements of a kernel
-# each intra-op thread takes. Inductor's default, 512, splits even a one-token step's
-# RMSNorm over the threads, and each such parallel region wakes threads that the engine's
-# short OpenMP spin (engine.threads) has let sleep. With 2**20 a decode step of 64 sequences
-# (64 x 1,536 elements at the widest) runs its glue on the calling thread and a 2,048-token
-# prefill's MLP glue still splits. Measured on an Intel Xeon with AMX-BF16, 2 vCPUs, bf16,
-# w1_mixed, alternating runs, 2026-12-02: 342-363 output tok/s at 512 (six runs), 362-370 at
-# 2**20 (four), 370-373 at 2**22 and 372-380 with no split at all (two each); see
-# docs/PERFORMANCE.md.
+# The compiled glue (``compile_glue``) has two graphs per function. Steps of fewer than
+# ``GLUE_PARALLEL_FROM_TOKENS`` tokens (decodes) run one whose kernels stay on the calling
+# thread: Inductor's ``cpp.min_chunk_size`` (the fewest elements of a kernel each intra-op
+# thread takes) is ``GLUE_MIN_CHUNK_ELEMENTS`` there, so no parallel region wakes the threads
+# that the engine's short OpenMP spin (engine.threads) has let sleep. Larger steps run one
+# whose kernels split over the threads (Inductor's default chunk, 512). Measured on an Intel
+# Xeon with AMX-BF16, 2 vCPUs, bf16, w1_mixed, runs in turns, 2026-12-03: 465.6-491.8 output
+# tok/s with the split from 128 tokens against 454.7-472.6 with no split at all (three rounds
+# each), 470.2-493.8 from 32 or 64 tokens; docs/PERFORMANCE.md, "The glue without Dynamo".
 GLUE_MIN_CHUNK_ELEMENTS = 2**20
+GLUE_PARALLEL_FROM_TOKENS = 128
 
 
 @dataclass(slots=True)
@@ -355,28 +357,31 @@ class LlamaForCausalLM(nn.Module):
         x = after(layers[-1], x, layers[-1].self_attn.attend(q, k, v, kv_caches[-1], meta))
         return self.norm(x)
 
-    def compile_glue(self) -> None:
-        """Run the layers' glue through ``torch.compile`` (Inductor): RMSNorm, RoPE, SiLU x
-        mul and the residual adds become a few fused kernels instead of ~40 small ops a
-        layer, each a parallel region that wakes the intra-op threads. The glue between two
-        layers' attention is one function (``layer_between_attentions``), so a step makes
+    def compile_glue(self, key: tuple | None = None) -> None:
+        """Run the layers' glue through Inductor (``engine.models.compiled_glue``): RMSNorm,
+        RoPE, SiLU x mul and the residual adds become a few fused kernels instead of ~40 small
+        ops a layer, each a parallel region that wakes the intra-op threads. The glue between
+        two layers' attention is one function (``layer_between_attentions``), so a step makes
         one compiled call per layer (31 for 30 layers: the first layer's
         ``layer_before_attention`` and the last one's ``layer_after_attention`` too) rather
-        than two: each call costs Dynamo's dispatch and the graph's wrappers, ~17 us (0.5 ms
-        a step at one sequence; w1_mixed 1.04x faster, bf16 on an AMD EPYC with AVX512-BF16,
-        docs/PERFORMANCE.md; a cold compile takes 1 s more). One compiled graph of each
-        function serves every layer (the layers' parameters are its inputs) and every token
-        count (``dynamic=True``; torch specialises a one-token step, which is its second
-        graph). The attention kernels stay outside. Compiling happens at the first forward
-        of each graph (``ModelRunner`` does it at start-up); Inductor caches the result on
-        disk for later processes.
+        than two. Each graph takes the layers' tensors as inputs, so one serves every layer,
+        and a symbolic token count, so one serves every step; the calls go to the compiled
+        graphs directly, without Dynamo (~0.15 ms a call saved, see ``CompiledGlue``). The
+        attention kernels stay outside. Each graph is compiled at its first call
+        (``ModelRunner`` makes it at start-up); Inductor caches the result on disk for later
+        processes, and engines of one process share graphs under the same ``key``.
 
-        A kernel splits over the intra-op threads only from ``GLUE_MIN_CHUNK_ELEMENTS``
-        elements a thread (Inductor's ``cpp.min_chunk_size``), so a decode step's glue runs
-        on the calling thread and the prompt-sized glue of a prefill still splits."""
+        Steps of fewer than ``GLUE_PARALLEL_FROM_TOKENS`` tokens run graphs whose kernels stay
+        on the calling thread, larger ones graphs whose kernels split over the threads.
+
+        Args:
+            key: what the graphs may be shared under between engines of this process (the
+                model's config, dtype and matmul mode); ``None``: not shared."""
         options = {"cpp.min_chunk_size": GLUE_MIN_CHUNK_ELEMENTS}
-        self.compiled_glue = tuple(torch.compile(fn, dynamic=True, options=options) for fn in (
-            layer_before_attention, layer_between_attentions, layer_after_attention))
+        self.compiled_glue = (
+            CompiledGlue(layer_before_attention, 1, key, options, GLUE_PARALLEL_FROM_TOKENS),
+            CompiledGlue(layer_between_attentions, 2, key, options, GLUE_PARALLEL_FROM_TOKENS),
+            CompiledGlue(layer_after_attention, 1, key, options, GLUE_PARALLEL_FROM_TOKENS))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden_size]`` -> fp32 logits ``[n, vocab_size]``."""

@@ -1,16 +1,18 @@
-"""The layers' glue through torch.compile on the CPU (``enforce_eager=False``, the default):
-the same fp32 tokens as eager, compiled at start-up and never while serving, and an engine
-that still serves eagerly where the compiler fails."""
+"""The layers' glue compiled by Inductor and called without Dynamo on the CPU
+(``enforce_eager=False``, the default): the same fp32 tokens as eager, compiled at start-up and
+never while serving, one graph for every layer, and an engine that still serves eagerly where
+the compiler fails."""
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from engine import LLM, SamplingParams, model_runner
-from engine.models import llama
+from engine.models import compiled_glue, llama
+from engine.models.compiled_glue import CompiledGlue, module_tensors
 from tests.engine.conftest import assert_idle
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -20,9 +22,18 @@ def _tokens(llm, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
+def _glue(llm) -> tuple[CompiledGlue, CompiledGlue, CompiledGlue]:
+    return llm.llm_engine.model_runner.model.compiled_glue
+
+
 def test_the_default_cpu_engine_compiles_its_glue_and_eager_gives_the_same_fp32_tokens(llm, mixed_prompts):
     assert llm.llm_engine.model_runner.compiled_glue is True
-    assert llm.llm_engine.model_runner.model.compiled_glue is not None
+    before, between, after = _glue(llm)
+    assert [g.fn for g in (before, between, after)] == [
+        llama.layer_before_attention, llama.layer_between_attentions, llama.layer_after_attention]
+    assert [g.parallel_from for g in (before, between, after)] == [llama.GLUE_PARALLEL_FROM_TOKENS] * 3
+    # Start-up compiled both graphs of each: a one-token step and a full token budget.
+    assert all(graph is not None for g in (before, between, after) for graph in g.graphs)
     eager = LLM(dtype="float32", enforce_eager=True)
     assert eager.llm_engine.model_runner.compiled_glue is False
     assert eager.llm_engine.model_runner.model.compiled_glue is None
@@ -32,16 +43,20 @@ def test_the_default_cpu_engine_compiles_its_glue_and_eager_gives_the_same_fp32_
 
 
 def test_a_second_engine_of_the_same_model_reuses_the_graphs(llm, mixed_prompts):
-    graphs = counters["stats"]["unique_graphs"]
     again = LLM(dtype="float32", num_gpu_blocks=256)
     assert again.llm_engine.model_runner.compiled_glue is True
     assert _tokens(again, mixed_prompts[:2]) == _tokens(llm, mixed_prompts[:2])
-    assert counters["stats"]["unique_graphs"] == graphs
+    for mine, theirs in zip(_glue(again), _glue(llm), strict=True):
+        assert mine is not theirs
+        assert mine.graphs[0] is theirs.graphs[0] and mine.graphs[1] is theirs.graphs[1]
 
 
-def test_serving_any_batch_shape_compiles_nothing(llm, mixed_prompts):
-    # Start-up compiled the one-token graph and the dynamic one: steps of 1, 2, 7 and 1,700
-    # tokens (decodes, prompts, a chunk) reuse them.
+def test_serving_any_batch_shape_compiles_nothing_and_never_enters_dynamo(llm, mixed_prompts, monkeypatch):
+    # Steps of 1, 2, 7 and 1,700 tokens (decodes, prompts, a chunk) reuse the start-up's graphs.
+    def compiles(*args, **kwargs):
+        raise AssertionError("compiled while serving")
+
+    monkeypatch.setattr(CompiledGlue, "_trace_and_compile", compiles)
     graphs = counters["stats"]["unique_graphs"]
     calls = counters["stats"]["calls_captured"]
     _tokens(llm, [mixed_prompts[0]])
@@ -52,33 +67,91 @@ def test_serving_any_batch_shape_compiles_nothing(llm, mixed_prompts):
 
 
 def test_a_compiler_failure_leaves_a_working_eager_engine(monkeypatch, caplog, mixed_prompts):
-    def broken_compile(fn, **kwargs):
-        def fails(*args, **kw):
-            raise RuntimeError("no C++ compiler found\nsecond line")
-        return fails
+    def broken_compile(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found\nsecond line")
 
-    monkeypatch.setattr(llama.torch, "compile", broken_compile)
-    monkeypatch.setattr(model_runner, "_GLUE_COMPILED", set())  # as in a fresh process
+    monkeypatch.setattr(compiled_glue.torch._inductor, "standalone_compile", broken_compile)
+    monkeypatch.setattr(compiled_glue, "_GRAPHS", {})  # as in a fresh process
+    monkeypatch.setattr(model_runner, "_GLUE_COMPILED", set())
     with caplog.at_level(logging.WARNING, logger="engine.model_runner"):
         llm = LLM(dtype="float32")
-    assert "torch.compile of the layer glue failed, running eagerly: no C++ compiler found" in caplog.text
+    assert "compiling the layer glue failed, running eagerly: no C++ compiler found" in caplog.text
     assert "second line" not in caplog.text
     assert llm.llm_engine.model_runner.compiled_glue is False
-    monkeypatch.setattr(llama.torch, "compile", torch.compile)
+    assert llm.llm_engine.model_runner.model.compiled_glue is None
+    monkeypatch.undo()
     eager = LLM(dtype="float32", enforce_eager=True)
     assert _tokens(llm, mixed_prompts[:3]) == _tokens(eager, mixed_prompts[:3])
     assert_idle(llm)
 
 
-def test_the_glue_splits_over_threads_only_from_a_million_elements_a_thread(monkeypatch):
-    # Each of the three glue functions is compiled with Inductor's cpp.min_chunk_size set, so
-    # that a decode step's glue (64 x 1,536 elements at the widest) runs on one thread and a
-    # 2,048-token prefill's MLP glue (2,048 x 1,536) still splits over two.
-    calls, model = [], SimpleNamespace()
-    monkeypatch.setattr(llama.torch, "compile", lambda fn, **kwargs: calls.append((fn.__name__, kwargs)) or fn)
-    llama.LlamaForCausalLM.compile_glue(model)
-    assert calls == [(name, {"dynamic": True, "options": {"cpp.min_chunk_size": 2**20}}) for name in (
-        "layer_before_attention", "layer_between_attentions", "layer_after_attention")]
-    assert model.compiled_glue == (llama.layer_before_attention, llama.layer_between_attentions,
-                                   llama.layer_after_attention)
-    assert 64 * 1536 < llama.GLUE_MIN_CHUNK_ELEMENTS <= 2048 * 1536 // 2
+@pytest.fixture(scope="module")
+def tiny():
+    """A two-layer dummy Llama in fp32 with random weights (no compiled glue of its own)."""
+    torch.manual_seed(0)
+    return LLM(model="dummy:tiny-llama", dtype="float32", enforce_eager=True, num_gpu_blocks=64) \
+        .llm_engine.model_runner.model
+
+
+def _inputs(model, num_tokens: int):
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    x = torch.randn(num_tokens, config.hidden_size)
+    o = torch.randn(num_tokens, config.num_attention_heads, head_dim)
+    cos, sin = model.rotary_emb(torch.arange(num_tokens) % 50, x.dtype)
+    return x, o, cos, sin
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 5, 6, 300])
+def test_each_graph_computes_what_eager_does_for_the_layers_it_is_given(tiny, num_tokens):
+    layers = list(tiny.layers)
+    between = CompiledGlue(llama.layer_between_attentions, 2, parallel_from=6)
+    after = CompiledGlue(llama.layer_after_attention, 1, parallel_from=6)
+    x, o, cos, sin = _inputs(tiny, num_tokens)
+    with torch.inference_mode():
+        got = between(layers[0], layers[1], x, o, cos, sin)
+        want = llama.layer_between_attentions(layers[0], layers[1], x, o, cos, sin)
+        assert len(got) == 4
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        # The same graph with other layers' tensors: the other layers' result.
+        swapped = between(layers[1], layers[0], x, o, cos, sin)
+        torch.testing.assert_close(swapped[0], llama.layer_between_attentions(layers[1], layers[0], x, o, cos, sin)[0],
+                                   rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(swapped[0], got[0])
+        single = after(layers[1], x, o)  # a function of one tensor returns one tensor
+        torch.testing.assert_close(single, llama.layer_after_attention(layers[1], x, o), rtol=1e-5, atol=1e-5)
+    used = num_tokens >= 6
+    assert between.graphs[used] is not None and between.graphs[not used] is None
+
+
+def test_a_layer_of_other_shapes_is_refused_by_name(tiny):
+    layers = list(tiny.layers)
+    before = CompiledGlue(llama.layer_before_attention, 1)
+    x, _, cos, sin = _inputs(tiny, 3)
+    with torch.inference_mode():
+        before(layers[0], x, cos, sin)
+        other = LLM(model="dummy:tiny-qwen2", dtype="float32", enforce_eager=True, num_gpu_blocks=64)
+        stranger = other.llm_engine.model_runner.model.layers[0]
+        with pytest.raises(ValueError, match="layer_before_attention: these layers' tensors differ"):
+            before(stranger, x, cos, sin)
+
+
+def test_the_trace_token_count_avoids_every_size_of_the_model():
+    # A token count equal to a weight's or a head's size would be unified with it and
+    # fixed: the trace moves past every such size.
+    assert compiled_glue._trace_tokens(37, [(64, 37), (38,), (4, 16)]) == 39
+    assert compiled_glue._trace_tokens(1999, [(576, 1536)]) == 1999
+
+
+def test_module_tensors_names_parameters_buffers_and_plain_tensor_attributes(tiny):
+    layer = tiny.layers[0]
+    layer.mlp.down_proj.weight_fp32 = cached = torch.zeros(2)
+    try:
+        tensors = module_tensors((layer, tiny.layers[1]))
+    finally:
+        layer.mlp.down_proj.weight_fp32 = None
+    assert tensors["0.mlp.down_proj.weight_fp32"] is cached
+    assert tensors["1.self_attn.qkv_proj.weight"] is tiny.layers[1].self_attn.qkv_proj.weight
+    assert list(tensors) == sorted(tensors)
+    assert "0.mlp.down_proj.bias" not in tensors  # None: not an input
