@@ -12,7 +12,12 @@ Dynamo's guards. Nothing checks guards at call time, so everything a guard would
 fixed here instead: the graph takes tensors only, each layer must hold tensors of the same
 names, dtypes and shapes as the layer it was traced with (checked once per layer), the
 layers' plain attributes (``eps``, ``out_features``, flags) are constants of the graph (the
-same in every layer of a model), and only the token count (dim 0 of every input) varies.
+same in every layer of a model), the step inputs' dtypes are checked on every call, and
+only the token count (dim 0 of every step input) is symbolic: every other size is a
+constant of the graph, which Inductor's own code checks on every call with the strides. One
+limit: torch assumes a symbolic size is at least 2 while tracing, so a branch of ``fn`` on
+``num_tokens > 1`` would take the many-token side silently; the model's glue has no such
+branch, and the tests compare one-token steps with eager.
 
 Inductor decides at compile time, from the token count of the trace, how a kernel's loops
 split over the intra-op threads. So each function has two graphs: one traced at a decode's
@@ -23,23 +28,36 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 # The token counts the two graphs are traced at: Inductor decides from them how a kernel's
 # loops split over the intra-op threads (``cpp.min_chunk_size`` elements a thread at least).
-# Neither is 0 or 1 (torch specialises those) nor a size of any weight or head (a token count
-# equal to one would be unified with it and specialised): ``_trace_tokens`` moves up from
-# these past any such size.
+# Not 0 or 1, which torch specialises.
 SERIAL_TRACE_TOKENS = 37
 PARALLEL_TRACE_TOKENS = 1999
 
-# Compiled graphs of this process, by (caller's key, function name): engines of the same
-# model, dtype and matmul mode (tests build many in one process) share them, as they shared
-# torch.compile's.
-_GRAPHS: dict[tuple, Callable] = {}
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    """What a graph was traced for: the layers' tensors (names, then each one's dtype and
+    shape), the step inputs' dtypes and trailing sizes, and whether ``fn`` returns one tensor."""
+
+    names: tuple[str, ...]
+    weights: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+    inputs: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+    single_output: bool
+
+
+# Compiled graphs of this process with their specs, by (caller's key, function name,
+# parallel): engines of the same model, dtype and matmul mode (tests build many in one
+# process) share them, as they shared torch.compile's.
+_GRAPHS: dict[tuple, tuple[Callable, _Spec]] = {}
 _GRAPHS_LOCK = threading.Lock()
 
 
@@ -77,14 +95,6 @@ class _Modules(nn.Module):
         return out if isinstance(out, tuple) else (out,)
 
 
-def _trace_tokens(start: int, shapes) -> int:
-    taken = {size for shape in shapes for size in shape}
-    tokens = start
-    while tokens in taken:
-        tokens += 1
-    return tokens
-
-
 class CompiledGlue:
     """One glue function ``fn(*modules, *inputs)`` (``inputs``: contiguous tensors whose dim 0
     is the step's token count), compiled at its first call and then called without Dynamo.
@@ -95,6 +105,9 @@ class CompiledGlue:
     ``PARALLEL_TRACE_TOKENS``, Inductor's default chunk size). Each is compiled the first time
     a step of its kind calls it.
 
+    A layer's tensors are read once, at its first call: a weight replaced by another tensor
+    object afterwards is not seen (copying into it, as loading weights does, is).
+
     Args:
         fn: the eager function, e.g. ``llama.layer_between_attentions``.
         num_modules: how many leading arguments are modules (their tensors become inputs).
@@ -103,9 +116,15 @@ class CompiledGlue:
         options: Inductor config of the serial graph (``torch._inductor.config.patch``).
         parallel_from: the fewest tokens that take the parallel graph; ``None``: never.
 
-    Raises (at a graph's first call, or for a layer not seen before):
-        ValueError: a layer whose tensors differ in name, dtype or shape from the first one's.
-        RuntimeError: the trace specialised the token count (it would serve one size only).
+    Calls return what ``fn`` returns: one tensor, or a tuple of them.
+
+    Raises (from a call):
+        ValueError: a layer whose tensors differ in name, dtype or shape from those of the
+            first layer, or of the graph shared under ``key``; step inputs of other dtypes or
+            trailing sizes than the first call's.
+        RuntimeError: the trace fixed the token count (a graph would serve one size only).
+        AssertionError: from Inductor's graph, inputs whose strides differ from the trace's
+            (a non-contiguous one).
     """
 
     def __init__(self, fn: Callable, num_modules: int, key: tuple | None = None,
@@ -115,12 +134,9 @@ class CompiledGlue:
         self.key = None if key is None else (*key, fn.__name__)
         self.options = dict(options or {})
         self.parallel_from = parallel_from
-        # serial, parallel; those another engine of this process compiled under the same key
-        self.graphs: list[Callable | None] = [None if self.key is None else _GRAPHS.get((*self.key, parallel))
-                                              for parallel in (False, True)]
-        self.single_output = False
-        self.names: tuple[str, ...] | None = None
-        self.signature: tuple | None = None  # each tensor's (dtype, shape), as traced
+        self.graphs: list[Callable | None] = [None, None]  # serial, parallel
+        self.spec: _Spec | None = None  # from the first call
+        self._input_dtypes: tuple[torch.dtype, ...] = ()
         self._weights: dict[tuple[nn.Module, ...], tuple[torch.Tensor, ...]] = {}
 
     def __call__(self, *args):
@@ -128,36 +144,50 @@ class CompiledGlue:
         weights = self._weights.get(modules)
         if weights is None:
             weights = self._layer_weights(modules, inputs)
+        if tuple(t.dtype for t in inputs) != self._input_dtypes:
+            self._refuse_inputs(inputs)
         parallel = self.parallel_from is not None and inputs[0].shape[0] >= self.parallel_from
         graph = self.graphs[parallel]
         if graph is None:
-            graph = self._compile(parallel, modules, inputs)
+            graph = self._graph(parallel, modules, inputs)
         out = graph(*weights, *inputs)
-        return out[0] if self.single_output else tuple(out)
+        return out[0] if self.spec.single_output else tuple(out)
 
     def _layer_weights(self, modules: tuple[nn.Module, ...], inputs) -> tuple[torch.Tensor, ...]:
         tensors = module_tensors(modules)
+        names = tuple(tensors)
         signature = tuple((t.dtype, tuple(t.shape)) for t in tensors.values())
-        if self.names is None:
-            self.names, self.signature = tuple(tensors), signature
+        if self.spec is None:
             with torch.no_grad():
-                self.single_output = not isinstance(self.fn(*modules, *inputs), tuple)
-        elif tuple(tensors) != self.names or signature != self.signature:
+                single = not isinstance(self.fn(*modules, *inputs), tuple)
+            self.spec = _Spec(names, signature, tuple((t.dtype, tuple(t.shape[1:])) for t in inputs), single)
+            self._input_dtypes = tuple(t.dtype for t in inputs)
+        elif (names, signature) != (self.spec.names, self.spec.weights):
             raise ValueError(f"{self.fn.__name__}: these layers' tensors differ from those it was "
-                             f"compiled for: {sorted(set(tensors) ^ set(self.names))} or their "
+                             f"compiled for: {sorted(set(names) ^ set(self.spec.names))} or their "
                              "dtypes and shapes")
         weights = tuple(tensors.values())
         self._weights[modules] = weights
         return weights
 
-    def _compile(self, parallel: bool, modules, inputs) -> Callable:
+    def _refuse_inputs(self, inputs) -> None:
+        got = tuple((t.dtype, tuple(t.shape[1:])) for t in inputs)
+        raise ValueError(f"{self.fn.__name__}: step inputs of dtypes and trailing sizes {got}; it "
+                         f"was compiled for {self.spec.inputs}")
+
+    def _graph(self, parallel: bool, modules, inputs) -> Callable:
+        if tuple((t.dtype, tuple(t.shape[1:])) for t in inputs) != self.spec.inputs:
+            self._refuse_inputs(inputs)
         key = None if self.key is None else (*self.key, parallel)
         with _GRAPHS_LOCK:
-            graph = None if key is None else _GRAPHS.get(key)
+            graph, spec = _GRAPHS.get(key, (None, None)) if key is not None else (None, None)
             if graph is None:
-                graph = self._trace_and_compile(parallel, modules, inputs)
+                graph, spec = self._trace_and_compile(parallel, modules, inputs), self.spec
                 if key is not None:
-                    _GRAPHS[key] = graph
+                    _GRAPHS[key] = graph, spec
+        if spec != self.spec:
+            raise ValueError(f"{self.fn.__name__}: these layers' tensors or inputs differ from those "
+                             f"the graph shared under its key was compiled for")
         self.graphs[parallel] = graph
         return graph
 
@@ -165,20 +195,29 @@ class CompiledGlue:
         root = _Modules(self.fn, modules)
         tensors = module_tensors(modules)
         names = list(tensors)
-        tokens = _trace_tokens(PARALLEL_TRACE_TOKENS if parallel else SERIAL_TRACE_TOKENS,
-                               [t.shape for t in tensors.values()] + [t.shape[1:] for t in inputs])
+        tokens = PARALLEL_TRACE_TOKENS if parallel else SERIAL_TRACE_TOKENS
         examples = [torch.zeros((tokens, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in inputs]
 
         def flat(*args):
             return torch.func.functional_call(root, dict(zip(names, args[:len(names)], strict=True)),
                                               args[len(names):], strict=False)
 
+        # Only the token count (dim 0 of each step input; duck sizing makes them one symbol)
+        # is symbolic; every other size is a constant of the graph.
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+
+        def fake(t: torch.Tensor, token_dim: bool) -> torch.Tensor:
+            sizes = [DimDynamic.DYNAMIC if token_dim and d == 0 else DimDynamic.STATIC for d in range(t.dim())]
+            return fake_mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+
         args = [*tensors.values(), *examples]
+        fakes = [fake(t, i >= len(names)) for i, t in enumerate(args)]
         with torch.no_grad():
-            gm = make_fx(flat, tracing_mode="symbolic")(*args)
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][len(names):]
-        if not all(isinstance(n.meta["val"].shape[0], torch.SymInt) for n in placeholders):
-            raise RuntimeError(f"{self.fn.__name__}: tracing fixed the token count at {tokens}")
+            gm = make_fx(flat, tracing_mode="symbolic")(*fakes)
+        for node in [n for n in gm.graph.nodes if n.op == "placeholder"][len(names):]:
+            if node.meta["val"].shape[0].node.maybe_as_int() is not None:  # a guard fixed it
+                raise RuntimeError(f"{self.fn.__name__}: tracing fixed the token count at {tokens}")
         options = {} if parallel else self.options
         with torch.no_grad(), torch._inductor.config.patch(options):
-            return torch._inductor.standalone_compile(gm, args, dynamic_shapes="from_graph")
+            return torch._inductor.standalone_compile(gm, fakes, dynamic_shapes="from_example_inputs",
+                                                      fake_mode=fake_mode)

@@ -28,12 +28,13 @@ def _glue(llm) -> tuple[CompiledGlue, CompiledGlue, CompiledGlue]:
 
 def test_the_default_cpu_engine_compiles_its_glue_and_eager_gives_the_same_fp32_tokens(llm, mixed_prompts):
     assert llm.llm_engine.model_runner.compiled_glue is True
-    before, between, after = _glue(llm)
-    assert [g.fn for g in (before, between, after)] == [
+    glue = _glue(llm)
+    assert [g.fn for g in glue] == [
         llama.layer_before_attention, llama.layer_between_attentions, llama.layer_after_attention]
-    assert [g.parallel_from for g in (before, between, after)] == [llama.GLUE_PARALLEL_FROM_TOKENS] * 3
-    # Start-up compiled both graphs of each: a one-token step and a full token budget.
-    assert all(graph is not None for g in (before, between, after) for graph in g.graphs)
+    assert [g.parallel_from for g in glue] == [llama.GLUE_PARALLEL_FROM_TOKENS] * 3
+    # Start-up (of this engine or an earlier one of the same model) compiled both graphs of
+    # each: a one-token step and a full token budget.
+    assert all((*g.key, parallel) in compiled_glue._GRAPHS for g in glue for parallel in (False, True))
     eager = LLM(dtype="float32", enforce_eager=True)
     assert eager.llm_engine.model_runner.compiled_glue is False
     assert eager.llm_engine.model_runner.model.compiled_glue is None
@@ -42,13 +43,17 @@ def test_the_default_cpu_engine_compiles_its_glue_and_eager_gives_the_same_fp32_
     assert_idle(eager)
 
 
-def test_a_second_engine_of_the_same_model_reuses_the_graphs(llm, mixed_prompts):
+def test_a_second_engine_of_the_same_model_compiles_nothing_and_reuses_the_graphs(llm, mixed_prompts, monkeypatch):
+    def compiles(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(CompiledGlue, "_trace_and_compile", compiles)
     again = LLM(dtype="float32", num_gpu_blocks=256)
     assert again.llm_engine.model_runner.compiled_glue is True
     assert _tokens(again, mixed_prompts[:2]) == _tokens(llm, mixed_prompts[:2])
     for mine, theirs in zip(_glue(again), _glue(llm), strict=True):
-        assert mine is not theirs
-        assert mine.graphs[0] is theirs.graphs[0] and mine.graphs[1] is theirs.graphs[1]
+        assert mine is not theirs and mine.key == theirs.key
+        assert mine.graphs[0] is compiled_glue._GRAPHS[(*mine.key, False)][0]
 
 
 def test_serving_any_batch_shape_compiles_nothing_and_never_enters_dynamo(llm, mixed_prompts, monkeypatch):
@@ -137,11 +142,44 @@ def test_a_layer_of_other_shapes_is_refused_by_name(tiny):
             before(stranger, x, cos, sin)
 
 
-def test_the_trace_token_count_avoids_every_size_of_the_model():
-    # A token count equal to a weight's or a head's size would be unified with it and
-    # fixed: the trace moves past every such size.
-    assert compiled_glue._trace_tokens(37, [(64, 37), (38,), (4, 16)]) == 39
-    assert compiled_glue._trace_tokens(1999, [(576, 1536)]) == 1999
+def test_a_trace_that_fixes_the_token_count_is_refused(tiny):
+    def branches_on_the_token_count(layer, x):
+        if x.shape[0] == compiled_glue.SERIAL_TRACE_TOKENS:
+            return layer.input_layernorm(x) * 2
+        return layer.input_layernorm(x)
+
+    glue = CompiledGlue(branches_on_the_token_count, 1)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="branches_on_the_token_count: tracing "
+                                                                   "fixed the token count at 37"):
+        glue(tiny.layers[0], torch.randn(5, tiny.config.hidden_size))
+
+
+def test_inputs_of_another_dtype_or_width_are_refused(tiny):
+    glue = CompiledGlue(llama.layer_after_attention, 1)
+    x, o, _, _ = _inputs(tiny, 3)
+    with torch.inference_mode():
+        glue(tiny.layers[0], x, o)
+        with pytest.raises(ValueError, match=r"layer_after_attention: step inputs of dtypes and trailing "
+                                             r"sizes \(\(torch.bfloat16"):
+            glue(tiny.layers[0], x.bfloat16(), o)
+        # Sizes and strides: Inductor's graph checks them on every call.
+        with pytest.raises(AssertionError, match="expected size"):
+            glue(tiny.layers[0], x, o[:, :2].contiguous())
+        with pytest.raises(AssertionError, match="stride"):
+            glue(tiny.layers[0], x.t().contiguous().t(), o)
+
+
+def test_a_graph_shared_under_a_key_is_not_used_for_other_tensors(tiny, monkeypatch):
+    monkeypatch.setattr(compiled_glue, "_GRAPHS", {})
+    x, o, cos, sin = _inputs(tiny, 3)
+    with torch.inference_mode():
+        CompiledGlue(llama.layer_before_attention, 1, key=("k",))(tiny.layers[0], x, cos, sin)
+        other = LLM(model="dummy:tiny-qwen2", dtype="float32", enforce_eager=True, num_gpu_blocks=64)
+        model = other.llm_engine.model_runner.model
+        x2, _, cos2, sin2 = _inputs(model, 3)
+        with pytest.raises(ValueError, match="layer_before_attention: these layers' tensors or inputs differ "
+                                             "from those the graph shared under its key"):
+            CompiledGlue(llama.layer_before_attention, 1, key=("k",))(model.layers[0], x2, cos2, sin2)
 
 
 def test_module_tensors_names_parameters_buffers_and_plain_tensor_attributes(tiny):
