@@ -139,6 +139,11 @@ class CompiledGlue:
         self._input_dtypes: tuple[torch.dtype, ...] = ()
         self._weights: dict[tuple[nn.Module, ...], tuple[torch.Tensor, ...]] = {}
 
+    def compiled(self, parallel: bool) -> bool:
+        """Whether that graph is compiled in this process under ``key`` (so a call needs no
+        compile)."""
+        return self.key is not None and (*self.key, parallel) in _GRAPHS
+
     def __call__(self, *args):
         modules, inputs = args[:self.num_modules], args[self.num_modules:]
         weights = self._weights.get(modules)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from engine import LLM, SamplingParams, model_runner
+from engine import LLM, SamplingParams
 from engine.models import compiled_glue, llama
 from engine.models.compiled_glue import CompiledGlue, module_tensors
 from tests.engine.conftest import assert_idle
@@ -77,7 +77,6 @@ def test_a_compiler_failure_leaves_a_working_eager_engine(monkeypatch, caplog, m
 
     monkeypatch.setattr(compiled_glue.torch._inductor, "standalone_compile", broken_compile)
     monkeypatch.setattr(compiled_glue, "_GRAPHS", {})  # as in a fresh process
-    monkeypatch.setattr(model_runner, "_GLUE_COMPILED", set())
     with caplog.at_level(logging.WARNING, logger="engine.model_runner"):
         llm = LLM(dtype="float32")
     assert "compiling the layer glue failed, running eagerly: no C++ compiler found" in caplog.text
