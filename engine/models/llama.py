@@ -384,14 +384,16 @@ class LlamaForCausalLM(nn.Module):
             CompiledGlue(layer_after_attention, 1, key, options, GLUE_PARALLEL_FROM_TOKENS))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden_size]`` -> fp32 logits ``[n, vocab_size]``."""
+        """``[n, hidden_size]`` -> logits ``[n, vocab_size]`` in the model's dtype (fp32 where
+        matmuls are upcast); the sampler takes them to fp32 where it processes them (as vLLM's
+        sampler does), and a plain greedy batch takes its argmax as they are."""
         if self.lm_head_packed is not None:
-            return packed_linear(hidden, self.lm_head_packed, None, self.config.vocab_size).float()
+            return packed_linear(hidden, self.lm_head_packed, None, self.config.vocab_size)
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         if self.upcast_matmul:
             weight = weight.float() if self.lm_head_fp32 is None else self.lm_head_fp32
             return F.linear(hidden.float(), weight)
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, weight)
 
     def prepack_weights(self) -> None:
         """Every projection and the LM head on prepacked bf16 weights (``Linear.prepack``);

@@ -463,54 +463,74 @@ void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
 
 namespace {
 
-// The index of the largest of x[0, n), the first of equals; the first NaN where there is one
-// (torch.argmax's answer). Two vectorised passes (the max, then 256-element chunks compared
-// with it) and a scalar search inside the chunk that holds it. On x86-64 GCC builds a copy
-// per vector width and picks one by the running CPU's flags when the extension loads.
+// An element as fp32: itself, or a bf16's bits as the top half of one (exact).
+inline float as_float(float x) { return x; }
+inline float as_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// The index of the largest of x[0, n) (fp32 or bf16), the first of equals; the first NaN
+// where there is one (torch.argmax's answer). Two vectorised passes (the max, then
+// 256-element chunks compared with it) and a scalar search inside the chunk that holds it.
+// On x86-64 GCC builds a copy per vector width and picks one by the running CPU's flags when
+// the extension loads.
+template <class T>
 #ifdef MINI_INFER_X86_KERNELS
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
-int64_t argmax_row(const float* x, int64_t n) {
+int64_t argmax_row(const T* x, int64_t n) {
   float top = -std::numeric_limits<float>::infinity();
   int nan = 0;
 #pragma omp simd reduction(max : top) reduction(| : nan)
   for (int64_t i = 0; i < n; ++i) {
-    top = x[i] > top ? x[i] : top;
-    nan |= x[i] != x[i];
+    const float v = as_float(x[i]);
+    top = v > top ? v : top;
+    nan |= v != v;
   }
   if (nan)
     for (int64_t i = 0; i < n; ++i)
-      if (x[i] != x[i]) return i;
+      if (as_float(x[i]) != as_float(x[i])) return i;
   constexpr int64_t kChunk = 256;
   for (int64_t begin = 0; begin < n; begin += kChunk) {
     const int64_t end = std::min(n, begin + kChunk);
     int hit = 0;
 #pragma omp simd reduction(| : hit)
-    for (int64_t i = begin; i < end; ++i) hit |= x[i] == top;
+    for (int64_t i = begin; i < end; ++i) hit |= as_float(x[i]) == top;
     if (hit)
       for (int64_t i = begin; i < end; ++i)
-        if (x[i] == top) return i;
+        if (as_float(x[i]) == top) return i;
   }
   return 0;  // every value is -inf: the first (top stayed -inf, and x[0] == top above)
 }
 
-}  // namespace
-
-// torch.argmax(logits, dim=-1) for fp32 logits [num_rows, vocab] (rows any stride, vocab
-// contiguous): int64 [num_rows], rows split over torch's intra-op threads.
-torch::Tensor argmax_rows(const torch::Tensor& logits) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == torch::kFloat32,
-              "argmax_rows: logits must be a 2-D fp32 CPU tensor; got ", logits.dim(), "-D ", logits.scalar_type(),
-              " on ", logits.device());
-  TORCH_CHECK(logits.size(1) > 0 && (logits.stride(1) == 1 || logits.size(1) == 1),
-              "argmax_rows: logits need a contiguous, non-empty last dimension");
+template <class T>
+void argmax_rows_of(const torch::Tensor& logits, int64_t* index) {
   const int64_t rows = logits.size(0), cols = logits.size(1), stride = logits.stride(0);
-  auto out = torch::empty({rows}, torch::dtype(torch::kInt64));
-  const float* data = logits.data_ptr<float>();
-  int64_t* index = out.data_ptr<int64_t>();
+  const T* data = logits.data_ptr<T>();
   at::parallel_for(0, rows, std::max<int64_t>(1, kMinParallelWork / cols), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) index[r] = argmax_row(data + r * stride, cols);
   });
+}
+
+}  // namespace
+
+// torch.argmax(logits, dim=-1) for fp32 or bf16 logits [num_rows, vocab] (rows any stride,
+// vocab contiguous): int64 [num_rows], rows split over torch's intra-op threads.
+torch::Tensor argmax_rows(const torch::Tensor& logits) {
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && (dtype == torch::kFloat32 || dtype == torch::kBFloat16),
+              "argmax_rows: logits must be a 2-D fp32 or bf16 CPU tensor; got ", logits.dim(), "-D ", dtype, " on ",
+              logits.device());
+  TORCH_CHECK(logits.size(1) > 0 && (logits.stride(1) == 1 || logits.size(1) == 1),
+              "argmax_rows: logits need a contiguous, non-empty last dimension");
+  auto out = torch::empty({logits.size(0)}, torch::dtype(torch::kInt64));
+  if (dtype == torch::kFloat32)
+    argmax_rows_of<float>(logits, out.data_ptr<int64_t>());
+  else
+    argmax_rows_of<c10::BFloat16>(logits, out.data_ptr<int64_t>());
   return out;
 }
 
@@ -522,7 +542,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("isa") = "auto", py::arg("num_splits") = 0,
         py::arg("sdpa_prefill") = false, py::call_guard<py::gil_scoped_release>());
-  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) for fp32 [rows, vocab] logits",
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) for fp32 or bf16 [rows, vocab] logits",
         py::arg("logits"), py::call_guard<py::gil_scoped_release>());
   m.def("supported_isas", &supported_isas, "Instruction sets this CPU runs, best first");
   m.def("selected_isa", &selected_isa, "The instruction set a call with `isa` runs at a head_dim", py::arg("head_dim"),

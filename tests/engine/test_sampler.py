@@ -83,6 +83,34 @@ def test_the_cpu_backends_argmax_draws_what_torchs_does():
     assert [t.token_id for t in ours][0] == int(logits[0].argmax())
 
 
+@pytest.mark.skipif(not cpu_attention.is_available(), reason="the C++ CPU kernels must build")
+@pytest.mark.parametrize("argmax_rows", [None, cpu_attention.argmax_rows], ids=["torch", "cpu-backend"])
+def test_bf16_logits_plain_greedy_rows_take_their_argmax_others_are_processed_in_fp32(argmax_rows):
+    """A batch of plain greedy rows takes the argmax of the bf16 logits as they are (no fp32
+    copy); a batch where any row is processed (here a logit bias, a penalty, min_tokens,
+    logprobs, a draw) takes them to fp32 first and leaves the bf16 tensor unchanged."""
+    logits = (torch.randn(4, 3_000, generator=torch.Generator().manual_seed(5)) * 4).bfloat16()
+    before = logits.clone()
+    sampler = Sampler(CPU, seed=0, argmax_rows=argmax_rows)
+    greedy = logits.float().argmax(-1).tolist()
+    assert [t.token_id for t in sampler(logits, [row(SamplingParams(temperature=0.0))] * 4)] == greedy
+    top = greedy[0]
+    processed = [SamplingParams(temperature=0.0, logit_bias={top: -100.0}),
+                 SamplingParams(temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0),
+                 SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[top]),
+                 SamplingParams(temperature=0.0, logprobs=1)]
+    for params in processed:
+        tokens = sampler(logits, [row(params, output=[top], seq_index=i) for i in range(4)])
+        assert torch.equal(logits, before)
+        if params.logprobs is None:
+            assert tokens[0].token_id != top
+        else:
+            assert [t.token_id for t in tokens] == greedy
+            assert tokens[0].logprob == pytest.approx(float(torch.log_softmax(logits[0].float(), -1)[top]))
+    drawn = sampler(logits, [row(SamplingParams(temperature=0.0))] * 3 + [row(SamplingParams(seed=1))])
+    assert [t.token_id for t in drawn][:3] == greedy[:3]
+
+
 def test_top_k_beyond_the_vocabulary_is_off():
     sampler = Sampler(CPU, seed=0)
     tokens = sampler(torch.zeros(2, 50), [row(SamplingParams(top_k=10**7, seed=3))] * 2)
