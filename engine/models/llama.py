@@ -17,17 +17,21 @@ import kernels
 from engine.models.compiled_glue import CompiledGlue
 
 # The compiled glue (``compile_glue``) has two graphs per function. Steps of fewer than
-# ``GLUE_PARALLEL_FROM_TOKENS`` tokens run one whose kernels stay on the calling thread:
-# Inductor's ``cpp.min_chunk_size`` (the fewest elements of a kernel each intra-op thread
-# takes) is ``GLUE_MIN_CHUNK_ELEMENTS`` there, so no parallel region wakes the threads that the
-# engine's short OpenMP spin (engine.threads) has let sleep. Larger steps run one whose kernels
-# split over the threads (Inductor's default chunk, 512). Where the split starts: per call of
-# ``layer_between_attentions`` (Intel Xeon with AMX-BF16, 2 vCPUs, bf16, warm loop,
-# 2026-12-03), serial / split 0.344 / 0.351 ms at 1 token, 0.356 / 0.360 at 8, 0.380 / 0.377
-# at 16, 0.451 / 0.428 at 32, 0.620 / 0.579 at 64; docs/PERFORMANCE.md, "The glue without
-# Dynamo" and "Decode steps' logits and glue".
+# ``GLUE_PARALLEL_FROM_TOKENS`` tokens (decodes) run one whose kernels stay on the calling
+# thread: Inductor's ``cpp.min_chunk_size`` (the fewest elements of a kernel each intra-op
+# thread takes) is ``GLUE_MIN_CHUNK_ELEMENTS`` there, so no parallel region wakes the threads
+# that the engine's short OpenMP spin (engine.threads) has let sleep. Larger steps run one
+# whose kernels split over the threads (Inductor's default chunk, 512). Measured on an Intel
+# Xeon with AMX-BF16, 2 vCPUs, bf16, 2026-12-03: w1_mixed in turns 465.6-491.8 output tok/s
+# with the split from 128 tokens against 454.7-472.6 with no split at all. A split from 16
+# tokens is faster per call from 16 tokens up (0.579 against 0.620 ms at 64, warm loop) and
+# took an offline (``LLM``) 63-sequence decode step from 69.9-70.7 to 66.7-66.9 ms, but it
+# cost ``AsyncLLM``, whose event loop thread shares the cores with the step's threads, 10-12%
+# (w1, 32 and 64 requests at once, in process: 214.9-228.0 against 236.5-252.2 and 287.0-289.3
+# against 325.5-347.5 tok/s; from 48 tokens 316.7-321.0), so it stays at 128;
+# docs/PERFORMANCE.md, "Decode steps: bf16 logits, ...".
 GLUE_MIN_CHUNK_ELEMENTS = 2**20
-GLUE_PARALLEL_FROM_TOKENS = 16
+GLUE_PARALLEL_FROM_TOKENS = 128
 
 
 @dataclass(slots=True)
