@@ -176,14 +176,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(logits, dim=-1)`` for fp32 CPU logits ``[num_rows, vocab]`` (vocab
-    contiguous): int64 ``[num_rows]``, the first index of each row's largest value, or of its
-    first NaN. torch's CPU argmax is a scalar loop (0.85 ms for 64 x 49,152 on the AMD EPYC
-    of docs/PERFORMANCE.md); this is two vectorised passes per row, rows split over threads.
-    Releases the GIL.
+    """``torch.argmax(logits, dim=-1)`` for fp32, bf16 or fp16 CPU logits ``[num_rows,
+    vocab]`` (vocab contiguous): int64 ``[num_rows]``, the first index of each row's largest
+    value, or of its first NaN (a 16-bit value compares as its exact fp32 value). torch's CPU
+    argmax is a scalar loop (0.85 ms for 64 x 49,152 fp32 on the AMD EPYC of
+    docs/PERFORMANCE.md); this is two vectorised passes per row, rows split over threads
+    (bf16 64 x 49,152: 0.20 ms on the Xeon with AMX). Releases the GIL.
 
     Raises:
-        RuntimeError: for logits that are not 2-D fp32 on the CPU with a contiguous, non-empty
-            last dimension.
+        RuntimeError: for logits that are not 2-D fp32, bf16 or fp16 on the CPU with a
+            contiguous, non-empty last dimension.
     """
     return load().argmax_rows(logits)

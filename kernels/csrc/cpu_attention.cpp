@@ -463,7 +463,7 @@ void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
 
 namespace {
 
-// An element as fp32: itself, or a bf16's bits as the top half of one (exact).
+// An element as fp32 (exact): itself, a bf16's bits as the top half of one, or an fp16's value.
 inline float as_float(float x) { return x; }
 inline float as_float(c10::BFloat16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
@@ -471,8 +471,9 @@ inline float as_float(c10::BFloat16 x) {
   std::memcpy(&out, &bits, sizeof(out));
   return out;
 }
+inline float as_float(c10::Half x) { return static_cast<float>(x); }
 
-// The index of the largest of x[0, n) (fp32 or bf16), the first of equals; the first NaN
+// The index of the largest of x[0, n) (fp32, bf16 or fp16), the first of equals; the first NaN
 // where there is one (torch.argmax's answer). Two vectorised passes (the max, then
 // 256-element chunks compared with it) and a scalar search inside the chunk that holds it.
 // On x86-64 GCC builds a copy per vector width and picks one by the running CPU's flags when
@@ -517,20 +518,23 @@ void argmax_rows_of(const torch::Tensor& logits, int64_t* index) {
 
 }  // namespace
 
-// torch.argmax(logits, dim=-1) for fp32 or bf16 logits [num_rows, vocab] (rows any stride,
+// torch.argmax(logits, dim=-1) for fp32, bf16 or fp16 logits [num_rows, vocab] (rows any stride,
 // vocab contiguous): int64 [num_rows], rows split over torch's intra-op threads.
 torch::Tensor argmax_rows(const torch::Tensor& logits) {
   const auto dtype = logits.scalar_type();
-  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && (dtype == torch::kFloat32 || dtype == torch::kBFloat16),
-              "argmax_rows: logits must be a 2-D fp32 or bf16 CPU tensor; got ", logits.dim(), "-D ", dtype, " on ",
-              logits.device());
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 &&
+                  (dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf),
+              "argmax_rows: logits must be a 2-D fp32, bf16 or fp16 CPU tensor; got ", logits.dim(), "-D ", dtype,
+              " on ", logits.device());
   TORCH_CHECK(logits.size(1) > 0 && (logits.stride(1) == 1 || logits.size(1) == 1),
               "argmax_rows: logits need a contiguous, non-empty last dimension");
   auto out = torch::empty({logits.size(0)}, torch::dtype(torch::kInt64));
   if (dtype == torch::kFloat32)
     argmax_rows_of<float>(logits, out.data_ptr<int64_t>());
-  else
+  else if (dtype == torch::kBFloat16)
     argmax_rows_of<c10::BFloat16>(logits, out.data_ptr<int64_t>());
+  else
+    argmax_rows_of<c10::Half>(logits, out.data_ptr<int64_t>());
   return out;
 }
 
@@ -542,7 +546,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("isa") = "auto", py::arg("num_splits") = 0,
         py::arg("sdpa_prefill") = false, py::call_guard<py::gil_scoped_release>());
-  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) for fp32 or bf16 [rows, vocab] logits",
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) for fp32, bf16 or fp16 [rows, vocab] logits",
         py::arg("logits"), py::call_guard<py::gil_scoped_release>());
   m.def("supported_isas", &supported_isas, "Instruction sets this CPU runs, best first");
   m.def("selected_isa", &selected_isa, "The instruction set a call with `isa` runs at a head_dim", py::arg("head_dim"),

@@ -85,11 +85,12 @@ def test_the_cpu_backends_argmax_draws_what_torchs_does():
 
 @pytest.mark.skipif(not cpu_attention.is_available(), reason="the C++ CPU kernels must build")
 @pytest.mark.parametrize("argmax_rows", [None, cpu_attention.argmax_rows], ids=["torch", "cpu-backend"])
-def test_bf16_logits_plain_greedy_rows_take_their_argmax_others_are_processed_in_fp32(argmax_rows):
-    """A batch of plain greedy rows takes the argmax of the bf16 logits as they are (no fp32
-    copy); a batch where any row is processed (here a logit bias, a penalty, min_tokens,
-    logprobs, a draw) takes them to fp32 first and leaves the bf16 tensor unchanged."""
-    logits = (torch.randn(4, 3_000, generator=torch.Generator().manual_seed(5)) * 4).bfloat16()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_logits_plain_greedy_rows_take_their_argmax_others_are_processed_in_fp32(argmax_rows, dtype):
+    """A batch of plain greedy rows takes the argmax of the model-dtype logits as they are (no
+    fp32 copy); a batch where any row is processed (here a logit bias, a penalty, min_tokens,
+    logprobs, a draw) takes them to fp32 first and leaves the 16-bit tensor unchanged."""
+    logits = (torch.randn(4, 3_000, generator=torch.Generator().manual_seed(5)) * 4).to(dtype)
     before = logits.clone()
     sampler = Sampler(CPU, seed=0, argmax_rows=argmax_rows)
     greedy = logits.float().argmax(-1).tolist()

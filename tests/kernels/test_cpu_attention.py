@@ -284,12 +284,13 @@ def test_argmax_rows_is_torch_argmax():
     expected = logits.argmax(dim=-1)
     assert expected[:8].tolist() == [int(logits[0].argmax()), 700, 31_000, 0, 9, 49_151, 3, 0]
     assert torch.equal(cpu_attention.argmax_rows(logits), expected)
-    # bf16 logits (the model's dtype): the argmax of their exact fp32 values; rounding to bf16
-    # makes new ties (row 0 of randn has several values rounding to its largest)
-    half = logits.bfloat16()
-    assert torch.equal(cpu_attention.argmax_rows(half), half.float().argmax(dim=-1))
-    assert cpu_attention.argmax_rows(half)[1:8].tolist() == [700, 31_000, 0, 9, 49_151, 3, 0]
-    assert torch.equal(cpu_attention.argmax_rows(half[10:20, 5:300]), half[10:20, 5:300].float().argmax(-1))
+    # bf16 and fp16 logits (the model's dtype): the argmax of their exact fp32 values, ties
+    # that the rounding makes included
+    for dtype in (torch.bfloat16, torch.float16):
+        half = logits.to(dtype)
+        assert torch.equal(cpu_attention.argmax_rows(half), half.float().argmax(dim=-1))
+        assert cpu_attention.argmax_rows(half)[1:8].tolist() == [700, 31_000, 0, 9, 49_151, 3, 0]
+        assert torch.equal(cpu_attention.argmax_rows(half[10:20, 5:300]), half[10:20, 5:300].float().argmax(-1))
     # rows of a larger tensor (a row stride), a single column, a vocabulary shorter than a chunk
     wide = torch.randn(9, 300, generator=generator)
     assert torch.equal(cpu_attention.argmax_rows(wide[:, :257]), wide[:, :257].argmax(-1))
@@ -298,9 +299,9 @@ def test_argmax_rows_is_torch_argmax():
 
 
 def test_argmax_rows_refuses_what_it_cannot_read():
-    with pytest.raises(RuntimeError, match="2-D fp32 or bf16 CPU tensor; got 2-D Half"):
-        cpu_attention.argmax_rows(torch.zeros(2, 5, dtype=torch.float16))
-    with pytest.raises(RuntimeError, match="2-D fp32 or bf16 CPU tensor; got 1-D Float"):
+    with pytest.raises(RuntimeError, match="2-D fp32, bf16 or fp16 CPU tensor; got 2-D Double"):
+        cpu_attention.argmax_rows(torch.zeros(2, 5, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="2-D fp32, bf16 or fp16 CPU tensor; got 1-D Float"):
         cpu_attention.argmax_rows(torch.zeros(5))
     with pytest.raises(RuntimeError, match="contiguous, non-empty last dimension"):
         cpu_attention.argmax_rows(torch.zeros(5, 4).t())
