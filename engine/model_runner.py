@@ -24,7 +24,6 @@ from engine.cuda_memory import CudaMemory, kv_cache_bytes
 from engine.device import cpu_has_bf16_matmul, resolve_device, resolve_dtype
 from engine.loader import LoadedModel, init_dummy_weights
 from engine.models import AttentionMetadata, build_model, can_prepack_weights, head_dim_of
-from engine.models.llama import GLUE_PARALLEL_FROM_TOKENS
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SamplingRow, ScheduledRequest, SchedulerOutput
@@ -261,10 +260,8 @@ class ModelRunner:
         # dtype and matmul mode built in it before (tests build many) reuses them.
         signature = (self.model.config.to_json_string(), self.dtype, self.upcast_matmul, self.prepacked_weights)
         self.model.compile_glue(key=signature)
-        # The graphs this engine's steps take: the serial one, and the parallel one where its
-        # token budget reaches it.
-        kinds = (False, True) if self.config.scheduler.max_num_batched_tokens >= GLUE_PARALLEL_FROM_TOKENS else (False,)
-        if all(glue.compiled(parallel) for glue in self.model.compiled_glue for parallel in kinds):
+        budget = self.config.scheduler.max_num_batched_tokens
+        if all(glue.compiled_up_to(budget) for glue in self.model.compiled_glue):
             return True
         lens = self._full_budget_lens()
         seqs = [(n, 0, [0] * kernels.cdiv(lens[0], self.block_size)) for n in lens]

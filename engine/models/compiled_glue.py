@@ -139,10 +139,13 @@ class CompiledGlue:
         self._input_dtypes: tuple[torch.dtype, ...] = ()
         self._weights: dict[tuple[nn.Module, ...], tuple[torch.Tensor, ...]] = {}
 
-    def compiled(self, parallel: bool) -> bool:
-        """Whether that graph is compiled in this process under ``key`` (so a call needs no
-        compile)."""
-        return self.key is not None and (*self.key, parallel) in _GRAPHS
+    def compiled_up_to(self, max_tokens: int) -> bool:
+        """Whether the graphs that steps of 1 to ``max_tokens`` tokens take are compiled in
+        this process under ``key`` (so no such step waits for a compile)."""
+        serial = self.parallel_from is None or self.parallel_from > 1
+        parallel = self.parallel_from is not None and max_tokens >= self.parallel_from
+        kinds = [kind for kind, used in ((False, serial), (True, parallel)) if used]
+        return self.key is not None and all((*self.key, kind) in _GRAPHS for kind in kinds)
 
     def __call__(self, *args):
         modules, inputs = args[:self.num_modules], args[self.num_modules:]
@@ -198,8 +201,7 @@ class CompiledGlue:
 
     def _trace_and_compile(self, parallel: bool, modules, inputs) -> Callable:
         root = _Modules(self.fn, modules)
-        tensors = module_tensors(modules)
-        names = list(tensors)
+        names, weights = self.spec.names, self._weights[modules]  # read at this layer's first call
         tokens = PARALLEL_TRACE_TOKENS if parallel else SERIAL_TRACE_TOKENS
         examples = [torch.zeros((tokens, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in inputs]
 
@@ -215,7 +217,7 @@ class CompiledGlue:
             sizes = [DimDynamic.DYNAMIC if token_dim and d == 0 else DimDynamic.STATIC for d in range(t.dim())]
             return fake_mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
 
-        args = [*tensors.values(), *examples]
+        args = [*weights, *examples]
         fakes = [fake(t, i >= len(names)) for i, t in enumerate(args)]
         with torch.no_grad():
             gm = make_fx(flat, tracing_mode="symbolic")(*fakes)
