@@ -1,9 +1,11 @@
 """Model pieces: the upcasting linear matches a native half-precision matmul; the prepacked
-one gives torch's bf16 linear bit for bit, eager and compiled."""
+one gives torch's bf16 linear bit for bit, eager and compiled; RoPE without its rotated copy
+gives the rotate-half form's bits."""
 import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.models import llama
 from engine.models.llama import Linear, can_prepack_weights
 
 
@@ -47,3 +49,21 @@ def test_prepack_refuses_a_weight_that_is_not_bf16():
     with pytest.raises(RuntimeError, match="need bf16 weights.*weight is torch.float32"):
         layer.prepack()
     assert layer.packed_weight is None and layer.weight.shape == (32, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_rope_gives_the_bits_of_the_rotate_half_form(dtype):
+    """apply_rope computes per half what transformers' ``x * cos + rotate_half(x) * sin``
+    computes, without the rotated copy: the same bits, eager and compiled."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 3, 64, generator=gen).to(dtype)
+    angles = torch.randn(7, 1, 32, generator=gen) * 10
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(dtype)
+    rotated = torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
+    expected = x * cos + rotated * sin
+    assert torch.equal(llama.apply_rope(x, cos, sin), expected)
+    if dtype == torch.float32:  # compiled: one fused kernel; fp32 has no rounding between steps to differ
+        compiled = torch.compile(llama.apply_rope, dynamic=True)
+        assert torch.equal(compiled(x, cos, sin), torch.compile(
+            lambda x, c, s: x * c + torch.cat((-x[..., 32:], x[..., :32]), dim=-1) * s, dynamic=True)(x, cos, sin))
