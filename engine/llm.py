@@ -34,7 +34,7 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args), offline=True)
         self._counter = itertools.count()
         # the dashboard's view (``python -m engine generate --dashboard-port``): snapshots
         # taken between steps while ``generate`` runs, at once otherwise

@@ -38,12 +38,14 @@ class LLMEngine:
     Args:
         config: engine settings.
         loaded: an already loaded model; loaded from ``config.model`` when ``None``.
+        offline: the caller steps the engine in a process that runs nothing else meanwhile
+            (the offline ``LLM``, not ``AsyncLLM``): see ``LlamaForCausalLM.compile_glue``.
 
     Raises:
         ValueError: if ``max_model_len`` exceeds the model's ``max_position_embeddings``.
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, offline: bool = False) -> None:
         loaded = loaded or load_model(config.model)
         model_max = loaded.config.max_position_embeddings
         sched = config.scheduler
@@ -56,7 +58,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_id = _eos_token_id(loaded)
-        self.model_runner = ModelRunner(config, loaded)
+        self.model_runner = ModelRunner(config, loaded, offline)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.cache.block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.block_manager)

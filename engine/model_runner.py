@@ -83,10 +83,13 @@ class ModelRunner:
     Args:
         config: the engine config; ``scheduler.max_model_len`` must be resolved.
         loaded: the model from ``engine.loader.load_model``.
+        offline: nothing else in this process runs while a step does (``LLMEngine``'s
+            ``offline``): the compiled glue splits over the threads from fewer tokens.
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, offline: bool = False) -> None:
         self.config = config
+        self.offline = offline
         self.device = resolve_device(config.device)
         # intra-op CPU threads: the CPUs this process is given (engine.threads)
         self.num_threads = configure_cpu_threads() if self.device.type == "cpu" else None
@@ -259,7 +262,7 @@ class ModelRunner:
         # The compiled graphs belong to the process: an engine of a model of the same config,
         # dtype and matmul mode built in it before (tests build many) reuses them.
         signature = (self.model.config.to_json_string(), self.dtype, self.upcast_matmul, self.prepacked_weights)
-        self.model.compile_glue(key=signature)
+        self.model.compile_glue(key=signature, offline=self.offline)
         budget = self.config.scheduler.max_num_batched_tokens
         if all(glue.compiled_up_to(budget) for glue in self.model.compiled_glue):
             return True

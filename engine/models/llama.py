@@ -28,10 +28,13 @@ from engine.models.compiled_glue import CompiledGlue
 # took an offline (``LLM``) 63-sequence decode step from 69.9-70.7 to 66.7-66.9 ms, but it
 # cost ``AsyncLLM``, whose event loop thread shares the cores with the step's threads, 10-12%
 # (w1, 32 and 64 requests at once, in process: 214.9-228.0 against 236.5-252.2 and 287.0-289.3
-# against 325.5-347.5 tok/s; from 48 tokens 316.7-321.0), so it stays at 128;
-# docs/PERFORMANCE.md, "Decode steps: bf16 logits, ...".
+# against 325.5-347.5 tok/s; from 48 tokens 316.7-321.0), so it stays at 128 where a step loop
+# shares its process with an event loop; docs/PERFORMANCE.md, "Decode steps: bf16 logits, ...".
+# The offline ``LLM``, whose process runs nothing else while it steps, splits from
+# ``GLUE_PARALLEL_FROM_TOKENS_OFFLINE`` tokens.
 GLUE_MIN_CHUNK_ELEMENTS = 2**20
 GLUE_PARALLEL_FROM_TOKENS = 128
+GLUE_PARALLEL_FROM_TOKENS_OFFLINE = 16
 
 
 @dataclass(slots=True)
@@ -369,7 +372,7 @@ class LlamaForCausalLM(nn.Module):
         x = after(layers[-1], x, layers[-1].self_attn.attend(q, k, v, kv_caches[-1], meta))
         return self.norm(x)
 
-    def compile_glue(self, key: tuple | None = None) -> None:
+    def compile_glue(self, key: tuple | None = None, offline: bool = False) -> None:
         """Run the layers' glue through Inductor (``engine.models.compiled_glue``): RMSNorm,
         RoPE, SiLU x mul and the residual adds become a few fused kernels instead of ~40 small
         ops a layer, each a parallel region that wakes the intra-op threads. The glue between
@@ -383,17 +386,21 @@ class LlamaForCausalLM(nn.Module):
         (``ModelRunner`` makes it at start-up); Inductor caches the result on disk for later
         processes, and engines of one process share graphs under the same ``key``.
 
-        Steps of fewer than ``GLUE_PARALLEL_FROM_TOKENS`` tokens run graphs whose kernels stay
-        on the calling thread, larger ones graphs whose kernels split over the threads.
+        Steps of fewer than ``GLUE_PARALLEL_FROM_TOKENS`` tokens (``offline``:
+        ``GLUE_PARALLEL_FROM_TOKENS_OFFLINE``) run graphs whose kernels stay on the calling
+        thread, larger ones graphs whose kernels split over the threads.
 
         Args:
             key: what the graphs may be shared under between engines of this process (the
-                model's config, dtype and matmul mode); ``None``: not shared."""
+                model's config, dtype and matmul mode); ``None``: not shared.
+            offline: nothing else in this process runs while a step does (the offline
+                ``LLM``; not ``AsyncLLM``, whose event loop does). The graphs are the same."""
+        parallel_from = GLUE_PARALLEL_FROM_TOKENS_OFFLINE if offline else GLUE_PARALLEL_FROM_TOKENS
         options = {"cpp.min_chunk_size": GLUE_MIN_CHUNK_ELEMENTS}
         self.compiled_glue = (
-            CompiledGlue(layer_before_attention, 1, key, options, GLUE_PARALLEL_FROM_TOKENS),
-            CompiledGlue(layer_between_attentions, 2, key, options, GLUE_PARALLEL_FROM_TOKENS),
-            CompiledGlue(layer_after_attention, 1, key, options, GLUE_PARALLEL_FROM_TOKENS))
+            CompiledGlue(layer_before_attention, 1, key, options, parallel_from),
+            CompiledGlue(layer_between_attentions, 2, key, options, parallel_from),
+            CompiledGlue(layer_after_attention, 1, key, options, parallel_from))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden_size]`` -> logits ``[n, vocab_size]`` in the model's dtype (fp32 where

@@ -11,6 +11,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.models import compiled_glue, llama
 from engine.models.compiled_glue import CompiledGlue, module_tensors
 from tests.engine.conftest import assert_idle
@@ -31,7 +33,12 @@ def test_the_default_cpu_engine_compiles_its_glue_and_eager_gives_the_same_fp32_
     glue = _glue(llm)
     assert [g.fn for g in glue] == [
         llama.layer_before_attention, llama.layer_between_attentions, llama.layer_after_attention]
-    assert [g.parallel_from for g in glue] == [llama.GLUE_PARALLEL_FROM_TOKENS] * 3
+    # the offline LLM's glue splits over the threads from fewer tokens than an AsyncLLM's
+    assert [g.parallel_from for g in glue] == [llama.GLUE_PARALLEL_FROM_TOKENS_OFFLINE] * 3
+    served = LLMEngine(EngineConfig.from_kwargs(dtype="float32"))
+    assert [g.parallel_from for g in served.model_runner.model.compiled_glue] == [
+        llama.GLUE_PARALLEL_FROM_TOKENS] * 3
+    assert llama.GLUE_PARALLEL_FROM_TOKENS_OFFLINE < llama.GLUE_PARALLEL_FROM_TOKENS
     # Start-up (of this engine or an earlier one of the same model) compiled both graphs of
     # each: a one-token step and a full token budget.
     assert all((*g.key, parallel) in compiled_glue._GRAPHS for g in glue for parallel in (False, True))
