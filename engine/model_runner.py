@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import logging
 import math
 import mmap
@@ -126,6 +127,9 @@ class ModelRunner:
                         "torch's SDPA" if self.cpu_attention["prefill"] == "sdpa" else "the same kernels")
             argmax_rows = cpu_attention.argmax_rows
         self.vocab_size = hf.vocab_size
+        # bf16 models on the CPU backend: the MLP's activation in the extension's C++ kernel
+        # (kernels.cpu_attention.silu_and_mul); fp32 keeps torch's, bit for bit transformers'.
+        self.silu_and_mul_kernel = self.backend == "cpu" and self.dtype == torch.bfloat16
         self.model = self._build_model(loaded)
         self.sampler = Sampler(self.device, config.seed, argmax_rows)
         self._grammar_bitmask = None  # GrammarBitmask, from the first constrained step on
@@ -161,6 +165,10 @@ class ModelRunner:
         if self.prepacked_weights:
             model.prepack_weights()
             logger.info("bf16 weights prepacked for oneDNN")
+        if self.silu_and_mul_kernel:
+            from kernels import cpu_attention
+
+            model.set_silu_and_mul(functools.partial(cpu_attention.silu_and_mul, isa=self.cpu_attention["isa"]))
         return model.eval()
 
     def kv_bytes_per_block(self) -> int:
@@ -261,7 +269,8 @@ class ModelRunner:
         start = time.perf_counter()
         # The compiled graphs belong to the process: an engine of a model of the same config,
         # dtype and matmul mode built in it before (tests build many) reuses them.
-        signature = (self.model.config.to_json_string(), self.dtype, self.upcast_matmul, self.prepacked_weights)
+        signature = (self.model.config.to_json_string(), self.dtype, self.upcast_matmul, self.prepacked_weights,
+                     self.silu_and_mul_kernel)
         self.model.compile_glue(key=signature, offline=self.offline)
         budget = self.config.scheduler.max_num_batched_tokens
         if all(glue.compiled_up_to(budget) for glue in self.model.compiled_glue):

@@ -58,8 +58,16 @@ def load():
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    return load_extension(name=extension_name(), sources=[str(s) for s in _SOURCES],
-                          extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    module = load_extension(name=extension_name(), sources=[str(s) for s in _SOURCES],
+                            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    # The extension defines torch.ops.mini_infer.silu_and_mul as it loads; its shapes, for
+    # torch.compile (the compiled glue calls it as an opaque op):
+    torch.library.register_fake("mini_infer::silu_and_mul")(_silu_and_mul_fake)
+    return module
+
+
+def _silu_and_mul_fake(x: torch.Tensor, isa: str) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
 
 @functools.cache
@@ -188,3 +196,22 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
             contiguous, non-empty last dimension.
     """
     return load().argmax_rows(logits)
+
+
+def silu_and_mul(x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """SwiGLU's activation on a fused gate/up projection (vLLM's ``silu_and_mul``): ``x [...,
+    2 * n]`` bf16 on the CPU -> ``silu(x[..., :n]) * x[..., n:]`` ``[..., n]`` bf16, computed
+    in fp32 and rounded once (to nearest even), as Inductor's fused kernel computes it but with
+    Cephes' exp (about 1 ulp of fp32, as the attention kernels' softmax) where Inductor calls
+    Sleef's (``torch.ops.mini_infer.silu_and_mul``; csrc/activation.h). Rows split over torch's
+    intra-op threads from 2**18 output elements.
+
+    Args:
+        isa: as ``paged_attention``'s (both AVX-512 names run the same loop).
+
+    Raises:
+        RuntimeError: for a tensor that is not bf16 on the CPU, an odd last dimension, or an
+            ``isa`` this CPU cannot run.
+    """
+    load()
+    return torch.ops.mini_infer.silu_and_mul(x, _isa(isa))

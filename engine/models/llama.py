@@ -8,6 +8,7 @@ in fp32, RoPE tables in fp32), so that fp32 greedy output matches it token for t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -270,7 +271,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward with one fused gate/up projection."""
+    """SwiGLU feed-forward with one fused gate/up projection.
+
+    Attributes:
+        silu_and_mul: None (``F.silu(gate) * up`` in torch), or a function of the projection's
+            output ``[num_tokens, 2 * intermediate_size]`` returning ``silu(gate) * up``
+            ``[num_tokens, intermediate_size]`` (``LlamaForCausalLM.set_silu_and_mul``).
+    """
+
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -279,7 +288,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu_and_mul is not None:
+            return self.down_proj(self.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -375,7 +387,8 @@ class LlamaForCausalLM(nn.Module):
     def compile_glue(self, key: tuple | None = None, offline: bool = False) -> None:
         """Run the layers' glue through Inductor (``engine.models.compiled_glue``): RMSNorm,
         RoPE, SiLU x mul and the residual adds become a few fused kernels instead of ~40 small
-        ops a layer, each a parallel region that wakes the intra-op threads. The glue between
+        ops a layer, each a parallel region that wakes the intra-op threads (SiLU x mul stays
+        an opaque call where ``set_silu_and_mul`` gave the MLPs a kernel). The glue between
         two layers' attention is one function (``layer_between_attentions``), so a step makes
         one compiled call per layer (31 for 30 layers: the first layer's
         ``layer_before_attention`` and the last one's ``layer_after_attention`` too) rather
@@ -413,6 +426,14 @@ class LlamaForCausalLM(nn.Module):
             weight = weight.float() if self.lm_head_fp32 is None else self.lm_head_fp32
             return F.linear(hidden.float(), weight)
         return F.linear(hidden, weight)
+
+    def set_silu_and_mul(self, silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """Every MLP's activation through ``silu_and_mul`` (e.g. the CPU backend's C++ kernel,
+        ``kernels.cpu_attention.silu_and_mul``), or torch's ``F.silu(gate) * up`` where None.
+        Set before ``compile_glue``: the graphs are traced with it."""
+        for module in self.modules():
+            if isinstance(module, MLP):
+                module.silu_and_mul = silu_and_mul
 
     def prepack_weights(self) -> None:
         """Every projection and the LM head on prepacked bf16 weights (``Linear.prepack``);

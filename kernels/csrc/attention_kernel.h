@@ -67,12 +67,16 @@ struct TaskBuffers {
 
 using AttendFn = void (*)(const AttentionProblem&, const AttentionTask&, const TaskBuffers&);
 
+// out[i] = silu(gate[i]) * up[i] over n bf16 elements (activation.h).
+using SiluAndMulFn = void (*)(const bf16_t* gate, const bf16_t* up, bf16_t* out, int64_t n);
+
 // The kernels of one instruction set, one per cache dtype.
 struct IsaKernels {
   const char* name;
   int64_t head_dim_multiple;  // head_dim must be a multiple of this (one vector)
   AttendFn attend_f32, attend_bf16, attend_f16;
   bool whole_decode_tokens_f32;  // an fp32 decode token is one task of all its KV heads
+  SiluAndMulFn silu_and_mul_bf16;
 };
 
 // Defined in attention_kernels.cpp. Only kScalarKernels exists off x86-64 GCC; calling the

@@ -14,6 +14,7 @@
 //     kSdpaMinQueryTokens or more (run_sdpa_prefills).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -37,6 +38,16 @@ constexpr int64_t kMinSplitKeys = 256;       // keys of one split, at least
 // Below this many (query row, key) pairs, about 30 us of work, a call runs on one thread: waking
 // the others costs more (ATen's at::internal::GRAIN_SIZE is the same number of elements).
 constexpr int64_t kMinParallelWork = 32768;
+// silu_and_mul runs on one thread below this many output elements (171 rows of SmolLM2's 1,536):
+// a decode step's activation stays on the step's thread, as the compiled glue's decode graph
+// keeps its kernels (engine/models/llama.py). Xeon with AMX-BF16, 2 threads, bf16, warm loop:
+// 64 rows 59.5 us on one thread, 34.9 on two; 2,048 rows 1.73 ms and 0.92 ms. Threads from 2**14
+// instead gave an AsyncLLM (whose event loop shares the cores) nothing: w1, 64 requests at once,
+// 257.6-352.1 tok/s against 264.4-356.0 (docs/PERFORMANCE.md, "SiLU x mul ...").
+constexpr int64_t kMinParallelSiluElements = 1 << 18;
+// silu_and_mul picks kernels as paged_attention does at this head_dim (a multiple of every
+// instruction set's vector; the activation itself takes any length).
+constexpr int64_t kMinSiluHeadDim = 16;
 // Prefill chunks of at least this many tokens go to torch's SDPA where the caller asks for it
 // (run_sdpa_prefills); shorter ones stay tasks beside the decode tokens. Xeon with AMX, bf16,
 // 2 threads, SmolLM2's heads, tasks against SDPA: 3 x 64 tokens 0.16 / 0.19 ms, 2 x 100 0.19 /
@@ -78,20 +89,21 @@ std::vector<std::string> supported_isas() {
   return names;
 }
 
-// `isa` by name, or "auto": the best one this CPU runs at this head_dim.
-const IsaKernels& select_kernels(const std::string& isa, int64_t head_dim) {
+// `isa` by name, or "auto": the best one this CPU runs at this head_dim. `caller` names the
+// function in errors.
+const IsaKernels& select_kernels(const std::string& isa, int64_t head_dim, const char* caller = "paged_attention") {
   for (const auto& entry : isa_entries()) {
     const IsaKernels& k = *entry.kernels;
     if (isa == "auto") {
       if (entry.supported && head_dim % k.head_dim_multiple == 0) return k;
     } else if (isa == k.name) {
-      TORCH_CHECK(entry.supported, "paged_attention: this CPU cannot run the '", isa, "' kernels");
-      TORCH_CHECK(head_dim % k.head_dim_multiple == 0, "paged_attention: the '", isa,
+      TORCH_CHECK(entry.supported, caller, ": this CPU cannot run the '", isa, "' kernels");
+      TORCH_CHECK(head_dim % k.head_dim_multiple == 0, caller, ": the '", isa,
                   "' kernels need head_dim a multiple of ", k.head_dim_multiple, "; got ", head_dim);
       return k;
     }
   }
-  TORCH_CHECK(false, "paged_attention: unknown isa '", isa, "' (the isa argument or $MINI_INFER_CPU_ISA); this CPU runs: ",
+  TORCH_CHECK(false, caller, ": unknown isa '", isa, "' (the isa argument or $MINI_INFER_CPU_ISA); this CPU runs: ",
               c10::Join(", ", supported_isas()));
 }
 
@@ -537,6 +549,35 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
     argmax_rows_of<c10::Half>(logits, out.data_ptr<int64_t>());
   return out;
 }
+
+// SwiGLU's activation on a fused gate/up projection: x [..., 2 * n] bf16 -> [..., n],
+// silu(x[..., :n]) * x[..., n:] computed in fp32 and rounded once (activation.h), by the
+// kernels of `isa` ("auto" or a name, as paged_attention's); rows split over torch's intra-op
+// threads from kMinParallelSiluElements output elements.
+torch::Tensor silu_and_mul(const torch::Tensor& x, const std::string& isa) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16,
+              "silu_and_mul: x must be a bf16 CPU tensor; got ", x.scalar_type(), " on ", x.device());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0,
+              "silu_and_mul: x's last dimension must be even (gate and up halves); got ", x.sizes());
+  const mini_infer::SiluAndMulFn row = select_kernels(isa, kMinSiluHeadDim, "silu_and_mul").silu_and_mul_bf16;
+  const int64_t n = x.size(-1) / 2;
+  auto in = x.reshape({-1, 2 * n});
+  if (in.stride(1) != 1) in = in.contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  auto out = torch::empty(sizes, x.options());
+  const int64_t rows = in.size(0), stride = in.stride(0);
+  const auto* src = reinterpret_cast<const mini_infer::bf16_t*>(in.data_ptr());
+  auto* dst = reinterpret_cast<mini_infer::bf16_t*>(out.data_ptr());
+  at::parallel_for(0, rows, std::max<int64_t>(1, kMinParallelSiluElements / std::max<int64_t>(n, 1)),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t r = begin; r < end; ++r) row(src + r * stride, src + r * stride + n, dst + r * n, n);
+                   });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(mini_infer, m) { m.def("silu_and_mul(Tensor x, str isa) -> Tensor"); }
+TORCH_LIBRARY_IMPL(mini_infer, CPU, m) { m.impl("silu_and_mul", &silu_and_mul); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "Write new keys and values into their paged-cache slots", py::arg("key"),

@@ -16,6 +16,20 @@ inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat vdiv(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
+// To bf16, rounding to nearest even (float_to_bf16_bits, 16 lanes; AVX512_BF16's vcvtneps2bf16
+// where MINI_INFER_NATIVE_BF16): NaN to a quiet NaN.
+inline void vstore(bf16_t* p, vfloat v) {
+#ifdef MINI_INFER_NATIVE_BF16
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i top = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  top = _mm512_mask_mov_epi32(top, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(top));
+#endif
+}
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vreduce_add(vfloat v) { return _mm512_reduce_add_ps(v); }
 inline float vreduce_max(vfloat v) { return _mm512_reduce_max_ps(v); }

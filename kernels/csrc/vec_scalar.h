@@ -14,6 +14,8 @@ inline void vstore(float* p, vfloat v) { *p = v; }
 inline vfloat vadd(vfloat a, vfloat b) { return a + b; }
 inline vfloat vsub(vfloat a, vfloat b) { return a - b; }
 inline vfloat vmul(vfloat a, vfloat b) { return a * b; }
+inline vfloat vdiv(vfloat a, vfloat b) { return a / b; }
+inline void vstore(bf16_t* p, vfloat v) { p->bits = float_to_bf16_bits(v); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return a * b + c; }
 inline float vreduce_add(vfloat v) { return v; }
 inline float vreduce_max(vfloat v) { return v; }

@@ -1,6 +1,7 @@
 """The runner's host-side batch: decodes first with ``num_decodes``, logits rows mapped back
 to scheduling order, metadata placed where each attention backend reads it; the device
-and dtype choices that depend on the GPU; and the CPU attention kernels it starts with."""
+and dtype choices that depend on the GPU; and the CPU kernels it starts with (attention, and
+the MLP's activation for bf16 models)."""
 import logging
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.device import resolve_dtype
 from engine.model_runner import build_host_batch
+from engine.models.llama import MLP
 from engine.scheduler_output import SamplingRow, ScheduledRequest, SchedulerOutput
 
 
@@ -107,3 +109,31 @@ def test_cpu_backend_logs_its_kernels_and_refuses_ones_this_cpu_lacks(monkeypatc
     monkeypatch.setenv(cpu_attention.ISA_ENV, "sse9")
     with pytest.raises(RuntimeError, match=r"unknown isa 'sse9' \(the isa argument or \$MINI_INFER_CPU_ISA\)"):
         LLM(**kwargs)
+
+
+def test_bf16_models_on_the_cpu_backend_take_the_mlp_activation_from_its_kernel():
+    """bf16 models on the CPU backend run SwiGLU's ``silu(gate) * up`` in the
+    extension (``kernels.cpu_attention.silu_and_mul``; compiled, the glue calls it as an opaque
+    op: the default bf16 engines of tests/e2e and tests/app run that); fp32 models, and the
+    torch backend, keep torch's (fp32 stays bit for bit transformers')."""
+    cpu_attention = pytest.importorskip("kernels.cpu_attention")
+    if not cpu_attention.is_available():
+        pytest.skip("the C++ CPU kernel did not build")
+    kwargs = dict(model="dummy:tiny-llama", device="cpu", num_gpu_blocks=16, max_num_batched_tokens=32,
+                  max_num_seqs=4)
+
+    def mlps(llm):
+        runner = llm.llm_engine.model_runner
+        return runner, [m for m in runner.model.modules() if isinstance(m, MLP)]
+
+    runner, layers = mlps(LLM(dtype="bfloat16", attention_backend="cpu", enforce_eager=True, **kwargs))
+    assert runner.silu_and_mul_kernel is True and layers and all(m.silu_and_mul is not None for m in layers)
+    x = torch.randn(5, runner.model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.inference_mode():
+        kernel = layers[0](x)
+        layers[0].silu_and_mul = None
+        plain = layers[0](x)
+    torch.testing.assert_close(kernel, plain, rtol=2**-7, atol=1e-3)
+    for dtype, backend in (("float32", "cpu"), ("float16", "cpu"), ("bfloat16", "torch")):
+        runner, layers = mlps(LLM(dtype=dtype, attention_backend=backend, enforce_eager=True, **kwargs))
+        assert runner.silu_and_mul_kernel is False and all(m.silu_and_mul is None for m in layers)

@@ -305,3 +305,39 @@ def test_argmax_rows_refuses_what_it_cannot_read():
         cpu_attention.argmax_rows(torch.zeros(5))
     with pytest.raises(RuntimeError, match="contiguous, non-empty last dimension"):
         cpu_attention.argmax_rows(torch.zeros(5, 4).t())
+
+
+def test_silu_and_mul_rounds_torchs_fp32_result_on_every_instruction_set():
+    """silu(gate) * up in fp32, rounded once to the input's dtype (Inductor's fused kernel
+    computes that): the same value as torch's fp32 result rounded, or its neighbour where
+    the kernel's exp (Cephes, ~1 ulp of fp32) lands on the other side of a rounding boundary."""
+    generator = torch.Generator().manual_seed(0)
+    n, dtype = 1536, torch.bfloat16
+    x = (torch.randn(300, 2 * n, generator=generator) * 4).to(dtype)  # 460,800 outputs: threads
+    x[0, :10] = torch.tensor([0.0, -0.0, 20.0, -20.0, 60.0, -60.0, 1e-3, -1e-3, 0.5, -0.5])
+    x[1, :3] = torch.tensor([float("inf"), float("nan"), 3.0])
+    x[1, n:n + 3] = torch.tensor([1.0, 1.0, float("nan")])
+    expected = (torch.nn.functional.silu(x[:, :n].float()) * x[:, n:].float()).to(dtype)
+    one_ulp = expected.float().abs() * 2.0 ** -7  # bf16: 8 significant bits
+    cases = [(x, expected, one_ulp), (x[:5], expected[:5], one_ulp[:5]),  # threads, one thread
+             (x[:2].reshape(2, 1, 2 * n), expected[:2].reshape(2, 1, n), one_ulp[:2].reshape(2, 1, n))]  # 3-D
+    for isa in cpu_attention.supported_isas():
+        for rows, want, ulp in cases:
+            out = cpu_attention.silu_and_mul(rows, isa=isa)
+            assert out.dtype == dtype and out.shape == want.shape, isa
+            assert torch.equal(torch.isnan(out), torch.isnan(want)), isa
+            infinite = torch.isinf(want)
+            assert torch.equal(out[infinite], want[infinite]), isa
+            finite = torch.isfinite(want)
+            assert bool(((out.float() - want.float()).abs()[finite] <= ulp[finite]).all()), isa
+            assert (out[finite] != want[finite]).float().mean() < 1e-3, isa
+        assert cpu_attention.silu_and_mul(x[:2], isa=isa)[0, :10].tolist() == expected[0, :10].tolist()
+
+
+def test_silu_and_mul_refuses_what_it_cannot_compute():
+    with pytest.raises(RuntimeError, match="x must be a bf16 CPU tensor; got Half"):
+        cpu_attention.silu_and_mul(torch.zeros(2, 6, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match=r"last dimension must be even \(gate and up halves\); got \[2, 5\]"):
+        cpu_attention.silu_and_mul(torch.zeros(2, 5, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="silu_and_mul: unknown isa 'sse9'"):
+        cpu_attention.silu_and_mul(torch.zeros(2, 6, dtype=torch.bfloat16), isa="sse9")
