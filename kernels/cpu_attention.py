@@ -1,8 +1,10 @@
 """The CPU backend: one C++ call per layer for the whole flattened batch, decode tokens and
 prefill chunks alike, reading K and V in place through the block table, and one that stores the
-step's new K/V (``csrc/``). On CPUs with AMX, bf16 prefill chunks of 128 tokens or more go
-from inside that call to torch's CPU ``scaled_dot_product_attention`` instead, whose matmuls
-use the tiles (``sdpa_prefill_default``, ``$MINI_INFER_CPU_PREFILL``).
+step's new K/V (``csrc/``); the same extension computes bf16 models' SwiGLU activation
+(``silu_and_mul``) and the greedy argmax (``argmax_rows``). On CPUs with AMX, bf16 prefill
+chunks of 128 tokens or more go from inside that call to torch's CPU
+``scaled_dot_product_attention`` instead, whose matmuls use the tiles
+(``sdpa_prefill_default``, ``$MINI_INFER_CPU_PREFILL``).
 
 The kernels are compiled once per instruction set into one extension (AVX-512 with
 AVX512_BF16, AVX-512F, AVX2 + FMA + F16C, portable scalar; only the scalar one off x86-64 or
