@@ -5,7 +5,7 @@
 // out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i], in fp32, rounded once
 // to bf16 (nearest even). Inductor's fused kernel computes the same with Sleef's exp (1 ulp);
 // vexp is Cephes' (about 1 ulp), and fp32 rounding to bf16 hides most of the difference.
-// exp(-g) is 0 below -87.3 (silu(g) = g there) and saturates above 88.3 (silu(g) ~ 0).
+// vexp(-g) is 0 for g > 87.3 (silu(g) = g there) and saturates for g < -88.3 (silu(g) ~ 0).
 inline vfloat silu_times(vfloat gate, vfloat up) {
   return vmul(vdiv(gate, vadd(vset1(1.f), vexp(vsub(vzero(), gate)))), up);
 }

@@ -45,9 +45,6 @@ constexpr int64_t kMinParallelWork = 32768;
 // instead gave an AsyncLLM (whose event loop shares the cores) nothing: w1, 64 requests at once,
 // 257.6-352.1 tok/s against 264.4-356.0 (docs/PERFORMANCE.md, "SiLU x mul ...").
 constexpr int64_t kMinParallelSiluElements = 1 << 18;
-// silu_and_mul picks kernels as paged_attention does at this head_dim (a multiple of every
-// instruction set's vector; the activation itself takes any length).
-constexpr int64_t kMinSiluHeadDim = 16;
 // Prefill chunks of at least this many tokens go to torch's SDPA where the caller asks for it
 // (run_sdpa_prefills); shorter ones stay tasks beside the decode tokens. Xeon with AMX, bf16,
 // 2 threads, SmolLM2's heads, tasks against SDPA: 3 x 64 tokens 0.16 / 0.19 ms, 2 x 100 0.19 /
@@ -559,7 +556,8 @@ torch::Tensor silu_and_mul(const torch::Tensor& x, const std::string& isa) {
               "silu_and_mul: x must be a bf16 CPU tensor; got ", x.scalar_type(), " on ", x.device());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0,
               "silu_and_mul: x's last dimension must be even (gate and up halves); got ", x.sizes());
-  const mini_infer::SiluAndMulFn row = select_kernels(isa, kMinSiluHeadDim, "silu_and_mul").silu_and_mul_bf16;
+  // head_dim 0: every instruction set qualifies (the activation takes rows of any length)
+  const mini_infer::SiluAndMulFn row = select_kernels(isa, 0, "silu_and_mul").silu_and_mul_bf16;
   const int64_t n = x.size(-1) / 2;
   auto in = x.reshape({-1, 2 * n});
   if (in.stride(1) != 1) in = in.contiguous();
