@@ -25,6 +25,7 @@ from engine.cuda_memory import CudaMemory, kv_cache_bytes
 from engine.device import cpu_has_bf16_matmul, resolve_device, resolve_dtype
 from engine.loader import LoadedModel, init_dummy_weights
 from engine.models import AttentionMetadata, build_model, can_prepack_weights, head_dim_of
+from engine.models.llama import glue_parallel_from_tokens
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SamplingRow, ScheduledRequest, SchedulerOutput
@@ -168,7 +169,9 @@ class ModelRunner:
         if self.silu_and_mul_kernel:
             from kernels import cpu_attention
 
-            model.set_silu_and_mul(functools.partial(cpu_attention.silu_and_mul, isa=self.cpu_attention["isa"]))
+            # Its rows split over the threads where the compiled glue's kernels do.
+            model.set_silu_and_mul(functools.partial(cpu_attention.silu_and_mul, isa=self.cpu_attention["isa"],
+                                                     parallel_from_rows=glue_parallel_from_tokens(self.offline)))
         return model.eval()
 
     def kv_bytes_per_block(self) -> int:
@@ -268,9 +271,10 @@ class ModelRunner:
         serves, more slowly."""
         start = time.perf_counter()
         # The compiled graphs belong to the process: an engine of a model of the same config,
-        # dtype and matmul mode built in it before (tests build many) reuses them.
+        # dtype and matmul mode built in it before (tests build many) reuses them; the SiLU
+        # kernel's split (offline or not) is a constant of the graphs that call it.
         signature = (self.model.config.to_json_string(), self.dtype, self.upcast_matmul, self.prepacked_weights,
-                     self.silu_and_mul_kernel)
+                     glue_parallel_from_tokens(self.offline) if self.silu_and_mul_kernel else None)
         self.model.compile_glue(key=signature, offline=self.offline)
         budget = self.config.scheduler.max_num_batched_tokens
         if all(glue.compiled_up_to(budget) for glue in self.model.compiled_glue):

@@ -68,7 +68,7 @@ def load():
     return module
 
 
-def _silu_and_mul_fake(x: torch.Tensor, isa: str) -> torch.Tensor:
+def _silu_and_mul_fake(x: torch.Tensor, isa: str, parallel_from_rows: int = 0) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
 
@@ -200,20 +200,23 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return load().argmax_rows(logits)
 
 
-def silu_and_mul(x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, isa: str | None = None, parallel_from_rows: int | None = None) -> torch.Tensor:
     """SwiGLU's activation on a fused gate/up projection (vLLM's ``silu_and_mul``): ``x [...,
     2 * n]`` bf16 on the CPU -> ``silu(x[..., :n]) * x[..., n:]`` ``[..., n]`` bf16, computed
     in fp32 and rounded once (to nearest even), as Inductor's fused kernel computes it but with
     Cephes' exp (about 1 ulp of fp32, as the attention kernels' softmax) where Inductor calls
-    Sleef's (``torch.ops.mini_infer.silu_and_mul``; csrc/activation.h). Rows split over torch's
-    intra-op threads from 2**18 output elements.
+    Sleef's (``torch.ops.mini_infer.silu_and_mul``; csrc/activation.h).
 
     Args:
         isa: as ``paged_attention``'s (both AVX-512 names run the same loop).
+        parallel_from_rows: the fewest rows (tokens) whose call splits them over torch's
+            intra-op threads; fewer run on the calling thread. ``None`` or 0: from 2**18 output
+            elements (171 rows of SmolLM2's 1,536). The engine passes its compiled glue's
+            split (``engine.models.llama.glue_parallel_from_tokens``).
 
     Raises:
-        RuntimeError: for a tensor that is not bf16 on the CPU, an odd last dimension, or an
-            ``isa`` this CPU cannot run.
+        RuntimeError: for a tensor that is not bf16 on the CPU, an odd last dimension, an
+            ``isa`` this CPU cannot run, or a negative ``parallel_from_rows``.
     """
     load()
-    return torch.ops.mini_infer.silu_and_mul(x, _isa(isa))
+    return torch.ops.mini_infer.silu_and_mul(x, _isa(isa), 0 if parallel_from_rows is None else parallel_from_rows)

@@ -38,6 +38,11 @@ GLUE_PARALLEL_FROM_TOKENS = 128
 GLUE_PARALLEL_FROM_TOKENS_OFFLINE = 16
 
 
+def glue_parallel_from_tokens(offline: bool) -> int:
+    """The fewest tokens of a step whose glue kernels split over the intra-op threads (above)."""
+    return GLUE_PARALLEL_FROM_TOKENS_OFFLINE if offline else GLUE_PARALLEL_FROM_TOKENS
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Where each token of the step reads and writes the paged KV cache.
@@ -407,8 +412,9 @@ class LlamaForCausalLM(nn.Module):
             key: what the graphs may be shared under between engines of this process (the
                 model's config, dtype and matmul mode); ``None``: not shared.
             offline: nothing else in this process runs while a step does (the offline
-                ``LLM``; not ``AsyncLLM``, whose event loop does). The graphs are the same."""
-        parallel_from = GLUE_PARALLEL_FROM_TOKENS_OFFLINE if offline else GLUE_PARALLEL_FROM_TOKENS
+                ``LLM``; not ``AsyncLLM``, whose event loop does). The graphs are the same (a
+                function ``set_silu_and_mul`` gave may hold the split itself)."""
+        parallel_from = glue_parallel_from_tokens(offline)
         options = {"cpp.min_chunk_size": GLUE_MIN_CHUNK_ELEMENTS}
         self.compiled_glue = (
             CompiledGlue(layer_before_attention, 1, key, options, parallel_from),

@@ -38,12 +38,11 @@ constexpr int64_t kMinSplitKeys = 256;       // keys of one split, at least
 // Below this many (query row, key) pairs, about 30 us of work, a call runs on one thread: waking
 // the others costs more (ATen's at::internal::GRAIN_SIZE is the same number of elements).
 constexpr int64_t kMinParallelWork = 32768;
-// silu_and_mul runs on one thread below this many output elements (171 rows of SmolLM2's 1,536):
-// a decode step's activation stays on the step's thread, as the compiled glue's decode graph
-// keeps its kernels (engine/models/llama.py). Xeon with AMX-BF16, 2 threads, bf16, warm loop:
-// 64 rows 59.5 us on one thread, 34.9 on two; 2,048 rows 1.73 ms and 0.92 ms. Threads from 2**14
-// instead gave an AsyncLLM (whose event loop shares the cores) nothing: w1, 64 requests at once,
-// 257.6-352.1 tok/s against 264.4-356.0 (docs/PERFORMANCE.md, "SiLU x mul ...").
+// silu_and_mul runs on one thread below this many output elements (171 rows of SmolLM2's 1,536)
+// unless its caller says from how many rows it splits (the engine passes its compiled glue's
+// split, engine/models/llama.py: a decode step's activation stays on the step's thread as the
+// glue's kernels do). Xeon with AMX-BF16, 2 threads, bf16, warm loop: 64 rows 59.5 us on one
+// thread, 34.9 on two; 2,048 rows 1.73 ms and 0.92 ms (docs/PERFORMANCE.md, "SiLU x mul ...").
 constexpr int64_t kMinParallelSiluElements = 1 << 18;
 // Prefill chunks of at least this many tokens go to torch's SDPA where the caller asks for it
 // (run_sdpa_prefills); shorter ones stay tasks beside the decode tokens. Xeon with AMX, bf16,
@@ -550,12 +549,13 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
 // SwiGLU's activation on a fused gate/up projection: x [..., 2 * n] bf16 -> [..., n],
 // silu(x[..., :n]) * x[..., n:] computed in fp32 and rounded once (activation.h), by the
 // kernels of `isa` ("auto" or a name, as paged_attention's); rows split over torch's intra-op
-// threads from kMinParallelSiluElements output elements.
-torch::Tensor silu_and_mul(const torch::Tensor& x, const std::string& isa) {
+// threads from `parallel_from_rows` rows (0: from kMinParallelSiluElements output elements).
+torch::Tensor silu_and_mul(const torch::Tensor& x, const std::string& isa, int64_t parallel_from_rows) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16,
               "silu_and_mul: x must be a bf16 CPU tensor; got ", x.scalar_type(), " on ", x.device());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0,
               "silu_and_mul: x's last dimension must be even (gate and up halves); got ", x.sizes());
+  TORCH_CHECK(parallel_from_rows >= 0, "silu_and_mul: parallel_from_rows must be >= 0; got ", parallel_from_rows);
   // head_dim 0: every instruction set qualifies (the activation takes rows of any length)
   const mini_infer::SiluAndMulFn row = select_kernels(isa, 0, "silu_and_mul").silu_and_mul_bf16;
   const int64_t n = x.size(-1) / 2;
@@ -567,14 +567,15 @@ torch::Tensor silu_and_mul(const torch::Tensor& x, const std::string& isa) {
   const int64_t rows = in.size(0), stride = in.stride(0);
   const auto* src = reinterpret_cast<const mini_infer::bf16_t*>(in.data_ptr());
   auto* dst = reinterpret_cast<mini_infer::bf16_t*>(out.data_ptr());
-  at::parallel_for(0, rows, std::max<int64_t>(1, kMinParallelSiluElements / std::max<int64_t>(n, 1)),
-                   [&](int64_t begin, int64_t end) {
-                     for (int64_t r = begin; r < end; ++r) row(src + r * stride, src + r * stride + n, dst + r * n, n);
-                   });
+  const int64_t grain = parallel_from_rows > 0 ? parallel_from_rows
+                                               : std::max<int64_t>(1, kMinParallelSiluElements / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) row(src + r * stride, src + r * stride + n, dst + r * n, n);
+  });
   return out;
 }
 
-TORCH_LIBRARY_FRAGMENT(mini_infer, m) { m.def("silu_and_mul(Tensor x, str isa) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(mini_infer, m) { m.def("silu_and_mul(Tensor x, str isa, int parallel_from_rows=0) -> Tensor"); }
 TORCH_LIBRARY_IMPL(mini_infer, CPU, m) { m.impl("silu_and_mul", &silu_and_mul); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from engine.device import resolve_dtype
+from engine.llm_engine import LLMEngine
 from engine.model_runner import build_host_batch
-from engine.models.llama import MLP
+from engine.models.llama import GLUE_PARALLEL_FROM_TOKENS, GLUE_PARALLEL_FROM_TOKENS_OFFLINE, MLP
 from engine.scheduler_output import SamplingRow, ScheduledRequest, SchedulerOutput
 
 
@@ -128,6 +130,13 @@ def test_bf16_models_on_the_cpu_backend_take_the_mlp_activation_from_its_kernel(
 
     runner, layers = mlps(LLM(dtype="bfloat16", attention_backend="cpu", enforce_eager=True, **kwargs))
     assert runner.silu_and_mul_kernel is True and layers and all(m.silu_and_mul is not None for m in layers)
+    # its rows split over the threads where the compiled glue's do: the offline LLM's split,
+    # and an engine that serves (AsyncLLM's) its own
+    assert layers[0].silu_and_mul.keywords["parallel_from_rows"] == GLUE_PARALLEL_FROM_TOKENS_OFFLINE == 16
+    served = LLMEngine(EngineConfig.from_kwargs(dtype="bfloat16", attention_backend="cpu", enforce_eager=True,
+                                                **kwargs))
+    assert {m.silu_and_mul.keywords["parallel_from_rows"] for m in served.model_runner.model.modules()
+            if isinstance(m, MLP)} == {GLUE_PARALLEL_FROM_TOKENS} == {128}
     x = torch.randn(5, runner.model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
     with torch.inference_mode():
         kernel = layers[0](x)

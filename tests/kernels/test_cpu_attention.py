@@ -332,6 +332,12 @@ def test_silu_and_mul_rounds_torchs_fp32_result_on_every_instruction_set():
             assert bool(((out.float() - want.float()).abs()[finite] <= ulp[finite]).all()), isa
             assert (out[finite] != want[finite]).float().mean() < 1e-3, isa
         assert cpu_attention.silu_and_mul(x[:2], isa=isa)[0, :10].tolist() == expected[0, :10].tolist()
+        # Rows are computed alike on any thread: the split (every row its own chunk, the
+        # engine's splits, one thread for all 300 rows) leaves the bits alone.
+        whole = cpu_attention.silu_and_mul(x, isa=isa).view(torch.int16)  # bits: NaN rows too
+        for parallel_from_rows in (1, 16, 128, 301):
+            split = cpu_attention.silu_and_mul(x, isa=isa, parallel_from_rows=parallel_from_rows)
+            assert torch.equal(split.view(torch.int16), whole), (isa, parallel_from_rows)
 
 
 def test_silu_and_mul_refuses_what_it_cannot_compute():
@@ -341,3 +347,5 @@ def test_silu_and_mul_refuses_what_it_cannot_compute():
         cpu_attention.silu_and_mul(torch.zeros(2, 5, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="silu_and_mul: unknown isa 'sse9'"):
         cpu_attention.silu_and_mul(torch.zeros(2, 6, dtype=torch.bfloat16), isa="sse9")
+    with pytest.raises(RuntimeError, match="silu_and_mul: parallel_from_rows must be >= 0; got -1"):
+        cpu_attention.silu_and_mul(torch.zeros(2, 6, dtype=torch.bfloat16), parallel_from_rows=-1)
