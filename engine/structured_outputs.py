@@ -113,6 +113,9 @@ _SCHEMA_LISTS = frozenset({"prefixItems", "allOf", "anyOf", "oneOf", "items"})
 def check_enforceable(schema) -> None:
     """Refuse a JSON schema that xgrammar would compile but not enforce in full.
 
+    - a schema its own metaschema refuses (``jsonschema``'s ``check_schema``, the draft its
+      ``$schema`` names, else 2020-12): xgrammar compiles e.g. ``{"anyOf": []}`` (no value
+      satisfies it) into a grammar of nothing, or ``{"type": []}`` into one of anything;
     - references: xgrammar resolves a ``$ref`` that is a JSON pointer into the schema itself
       (``"#"``, ``"#/$defs/Address"``); an anchor (``"#foo"``), a URI (against ``$id``), an
       empty reference and ``$dynamicRef`` / ``$recursiveRef`` it leaves unconstrained;
@@ -138,6 +141,7 @@ def check_enforceable(schema) -> None:
     Raises:
         ValueError: naming the first such keyword, its JSON pointer in ``schema`` and the fix.
     """
+    _check_against_metaschema(schema)
     # (value, its JSON pointer, whether it is a schema: None if not, else the kind of value it
     # applies to when that is implied, "string" for propertyNames' schema, "" for any)
     stack = [(schema, "#", "")]
@@ -165,6 +169,23 @@ def check_enforceable(schema) -> None:
             elif key not in DATA_KEYWORDS:
                 schema_kind = ("string" if key == "propertyNames" else "") if key in _ONE_SCHEMA else None
                 stack.append((sub, path, schema_kind if kind is not None else None))
+
+
+def _check_against_metaschema(schema) -> None:
+    """``ValueError`` naming the first place where ``schema`` breaks its metaschema."""
+    if not isinstance(schema, (dict, bool)):
+        return
+    import jsonschema
+    try:
+        # an unknown $schema gets 2020-12's (without default=, jsonschema warns each time)
+        validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "#" + "".join(f"/{pointer_token(part)}" for part in exc.path)
+        reason = exc.message  # it quotes the schema: a long one is cut
+        if len(reason) > 200:
+            reason = f"{reason[:200]}... ({len(reason)} characters)"
+        raise ValueError(f"not a valid JSON schema at {where}: {reason}") from None
 
 
 def check_structural_tag(tag) -> None:

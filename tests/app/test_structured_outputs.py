@@ -340,6 +340,11 @@ BAD = [
     ("/v1/chat/completions", {"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"$ref": "#a"}}, "$defs": {"A": {"$anchor": "a"}}}}}],
         "tool_choice": "required"}, "tools[1].function.parameters"),
+    # schemas their metaschema refuses (xgrammar compiled them: an empty answer "stop"ped)
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "required": ["a"], "properties": {"a": {"anyOf": []}}}}}},
+     "response_format.json_schema.schema"),
+    ("/v1/completions", {"guided_json": {"type": []}}, "guided_json"),
     # keywords xgrammar would leave unenforced: refused, naming the field
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}}}}},

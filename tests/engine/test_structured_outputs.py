@@ -213,13 +213,36 @@ def test_invalid_constraints_are_value_errors_naming_the_field(llm, constraint, 
     ({"$id": "https://example.com/s", "$defs": {"A": {"type": "integer"}},
       "properties": {"x": {"$ref": "https://example.com/s#/$defs/A"}}}, '$ref "https://example.com/s#/$defs/A" at'),
     ({"properties": {"x": {"$ref": ""}}}, '$ref "" at #/properties/x'),
-    ({"properties": {"a/b~": {"type": "array", "items": [{"$dynamicRef": "#n"}]}}},
-     "$dynamicRef at #/properties/a~1b~0/items/0 is not supported"),
+    ({"properties": {"a/b~": {"type": "array", "prefixItems": [{"$dynamicRef": "#n"}]}}},
+     "$dynamicRef at #/properties/a~1b~0/prefixItems/0 is not supported"),
 ])
 def test_references_xgrammar_would_not_enforce_are_refused(schema, message):
     with pytest.raises(ValueError, match=re.escape("structured_outputs.json: " + message)) as info:
         grammar_of(StructuredOutputsParams(json={"type": "object", **schema}))
     assert info.value.param == "structured_outputs.json"
+
+
+@pytest.mark.parametrize("schema, message", [
+    # xgrammar compiled these: a grammar of nothing (an empty string, "finished") or of anything
+    ({"anyOf": []}, "at #/anyOf: [] should be non-empty"),
+    ({"oneOf": []}, "at #/oneOf: [] should be non-empty"),
+    ({"allOf": []}, "at #/allOf: [] should be non-empty"),
+    ({"type": "object", "required": ["a"], "properties": {"a/b": {"anyOf": []}}},
+     "at #/properties/a~1b/anyOf: [] should be non-empty"),
+    ({"type": []}, "at #/type: [] is not valid under any of the given schemas"),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "integer", "minimum": "5"},
+     "at #/minimum: '5' is not of type 'number'"),
+    ({"$schema": "https://example.com/unknown", "type": "nonsense"}, "at #/type: 'nonsense' is not valid"),
+])
+def test_a_schema_its_metaschema_refuses_is_refused(schema, message):
+    import xgrammar as xgr
+    if schema.get("type") == []:
+        xgr.Grammar.from_json_schema(json.dumps(schema))  # what was compiled before the check
+    expected = "structured_outputs.json: not a valid JSON schema " + message
+    with pytest.raises(ValueError, match=re.escape(expected)) as info:
+        grammar_of(StructuredOutputsParams(json=schema))
+    assert info.value.param == "structured_outputs.json"
+    check_enforceable({"$schema": "https://example.com/unknown", "type": "integer"})  # an unknown draft: 2020-12's
 
 
 def test_references_into_the_schema_and_ref_lookalikes_are_compiled():
