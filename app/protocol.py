@@ -605,6 +605,15 @@ class ChatCompletionRequest(SamplingRequest):
             param = "max_completion_tokens" if exc.param == "max_tokens" else exc.param
             raise InvalidRequestError(str(exc).replace("max_tokens", "max_completion_tokens"), param) from None
 
+    def client_param(self, message: str, param: str | None) -> tuple[str, str | None]:
+        """As ``SamplingRequest.client_param``; the engine's length errors say
+        ``max_tokens (n)``, which reads ``max_completion_tokens (n)`` where the request set
+        that."""
+        message, param = super().client_param(message, param)
+        if self.max_completion_tokens is not None:
+            message = message.replace("max_tokens (", "max_completion_tokens (")
+        return message, param
+
     def engine_prompt(self) -> dict:
         """The conversation with ``LLMEngine.chat_prompt``'s options."""
         return {"messages": [m.engine_message() for m in self.messages],

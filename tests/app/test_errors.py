@@ -70,6 +70,10 @@ def _error_cases():
         ("chat over max_model_len", "/v1/chat/completions",
          {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "messages",
          "context_length_exceeded", "exceeds max_model_len"),
+        # the length error names the field the client sent
+        ("max_completion_tokens over max_model_len", "/v1/chat/completions",
+         {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 8190}, 400,
+         "messages", "context_length_exceeded", "+ max_completion_tokens (8190) = "),
         ("empty body", "/v1/completions", "", 400, None, None, "the request body (a JSON object) is required"),
         ("null body", "/v1/completions", "null", 400, None, None, "the request body must be a JSON object"),
         ("non-string text part", "/v1/chat/completions",
