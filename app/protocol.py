@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from app.tool_calls import ToolMode, tool_constraint
 from engine.errors import InvalidRequestError, excerpt
+from engine.json_schema import check_schema
 from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # OpenAI's API reference: "What sampling temperature to use, between 0 and 2."
@@ -563,14 +564,11 @@ class ChatCompletionRequest(SamplingRequest):
             first_index[name] = i
             try:
                 if schema is not None:
-                    jsonschema.validators.validator_for(schema).check_schema(schema)
+                    check_schema(schema)
             except jsonschema.SchemaError as exc:
                 where = "".join(f"[{part!r}]" for part in exc.path)
-                reason = exc.message  # it quotes the schema: a long one is cut
-                if len(reason) > 200:
-                    reason = f"{reason[:200]}... ({len(reason)} characters)"
                 raise InvalidRequestError(f"tools[{i}].function.parameters is not a valid JSON schema: "
-                                          f"{reason} (at parameters{where})",
+                                          f"{exc.message} (at parameters{where})",
                                           f"tools[{i}].function.parameters") from exc
             if schema is not None and schema.get("type", "object") != "object":
                 raise InvalidRequestError(f"tools[{i}].function.parameters must be a JSON schema of type object "

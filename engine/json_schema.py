@@ -1,7 +1,8 @@
 """What walking a JSON Schema needs to know (JSON Schema 2020-12, RFC 6901): which keywords
 hold data rather than subschemas, which map names to subschemas, which references point into
-the schema itself, and how a key is written in a JSON pointer. No imports: the ingress
-(``app.tool_calls``) and the engine (``engine.structured_outputs``) share it."""
+the schema itself, how a key is written in a JSON pointer, and the metaschema check. No
+imports at load time: the ingress (``app.tool_calls``, ``app.protocol``) and the engine
+(``engine.structured_outputs``) share it."""
 from __future__ import annotations
 
 # Keywords whose value is data, not a subschema: a "$ref" key in it is a value, no reference.
@@ -21,3 +22,22 @@ def is_local_ref(ref) -> bool:
 def pointer_token(key) -> str:
     """``key`` as one JSON pointer token (RFC 6901: ``~`` as ``~0``, ``/`` as ``~1``)."""
     return str(key).replace("~", "~0").replace("/", "~1")
+
+
+def check_schema(schema) -> None:
+    """``jsonschema``'s metaschema check of ``schema`` (a dict or bool): the draft its
+    ``$schema`` names, else 2020-12 (also for an unknown one, which jsonschema would warn
+    about on every call).
+
+    Raises:
+        jsonschema.SchemaError: ``path`` where the schema breaks its metaschema; ``message``
+            (which quotes the schema) cut to 200 characters.
+    """
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        if len(exc.message) > 200:
+            exc.message = f"{exc.message[:200]}... ({len(exc.message)} characters)"
+        raise

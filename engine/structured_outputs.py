@@ -31,7 +31,7 @@ import torch
 import xgrammar as xgr
 
 from engine.errors import InvalidRequestError
-from engine.json_schema import COMBINATORS, DATA_KEYWORDS, SCHEMA_MAPS, is_local_ref, pointer_token
+from engine.json_schema import COMBINATORS, DATA_KEYWORDS, SCHEMA_MAPS, check_schema, is_local_ref, pointer_token
 from engine.sampling_params import StructuredOutputsParams
 from engine.scheduler_output import SamplingRow
 
@@ -177,15 +177,10 @@ def _check_against_metaschema(schema) -> None:
         return
     import jsonschema
     try:
-        # an unknown $schema gets 2020-12's (without default=, jsonschema warns each time)
-        validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        validator.check_schema(schema)
+        check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "#" + "".join(f"/{pointer_token(part)}" for part in exc.path)
-        reason = exc.message  # it quotes the schema: a long one is cut
-        if len(reason) > 200:
-            reason = f"{reason[:200]}... ({len(reason)} characters)"
-        raise ValueError(f"not a valid JSON schema at {where}: {reason}") from None
+        raise ValueError(f"not a valid JSON schema at {where}: {exc.message}") from None
 
 
 def check_structural_tag(tag) -> None:
