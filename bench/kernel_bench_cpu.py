@@ -1,7 +1,8 @@
 """The CPU part of ``bench/kernel_bench.py``: ``python bench/kernel_bench.py cpu``.
 
 Decode: ``kernels.cpu_attention.paged_attention`` on one decode token per sequence, every
-sequence ``context`` tokens long, shuffled block tables, for batch x context in bf16 and fp32.
+sequence ``context`` tokens long, shuffled block tables, for batch x context in bf16 and fp32
+(and, named as ``bfloat16/fp8_e5m2``, queries of one dtype over an fp8 E5M2 cache).
 Each is reported as GB/s over the bytes a decode step must move (``kernel_bench.decode_bytes``:
 K and V of every context token, the query in and the output out) next to the copy bandwidth
 of a 256 MiB tensor (read + write bytes) timed in the same loop: the kernel and the copy take
@@ -83,7 +84,21 @@ def time_turns(fns: dict[str, Callable[[], object]], flush: torch.Tensor, rounds
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def make_prefill_inputs(seqs: list[tuple[int, int]], shape: AttentionShape, dtype: torch.dtype) -> list:
+def parse_dtypes(name: str) -> tuple[torch.dtype, torch.dtype]:
+    """``"bfloat16"`` -> (bf16 queries, bf16 caches); ``"bfloat16/fp8_e5m2"`` -> bf16 queries
+    over caches of fp8 E5M2 (the engine's ``kv_cache_dtype="fp8_e5m2"``).
+
+    Raises:
+        ValueError: for a cache dtype other than fp8_e5m2, naming ``--dtypes``.
+    """
+    query, _, cache = name.partition("/")
+    if cache not in ("", "fp8_e5m2"):
+        raise ValueError(f"--dtypes: a cache dtype after '/' must be fp8_e5m2; got {name!r}")
+    return getattr(torch, query), torch.float8_e5m2 if cache else getattr(torch, query)
+
+
+def make_prefill_inputs(seqs: list[tuple[int, int]], shape: AttentionShape, dtype: torch.dtype,
+                        cache_dtype: torch.dtype | None = None) -> list:
     """``paged_attention``'s arguments for ``(seq_len, query_len)`` per sequence: random K/V
     in a pool of exactly the blocks needed, shuffled over the sequences."""
     blocks = [-(-seq_len // shape.block_size) for seq_len, _ in seqs]
@@ -94,24 +109,28 @@ def make_prefill_inputs(seqs: list[tuple[int, int]], shape: AttentionShape, dtyp
         tables[i, :count], pool = pool[:count], pool[count:]
     query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.tensor([q for _, q in seqs]).cumsum(0)
-    return [torch.randn(int(query_start_loc[-1]), shape.num_heads, shape.head_dim, dtype=dtype),
-            torch.randn(cache_shape, dtype=dtype), torch.randn(cache_shape, dtype=dtype), tables,
+    caches = [torch.randn(cache_shape).to(cache_dtype or dtype) for _ in range(2)]
+    return [torch.randn(int(query_start_loc[-1]), shape.num_heads, shape.head_dim, dtype=dtype), *caches, tables,
             query_start_loc, torch.tensor([s for s, _ in seqs], dtype=torch.int32), shape.head_dim ** -0.5]
 
 
 def decode_row(batch: int, context: int, shape: AttentionShape, dtype: torch.dtype, isa: str | None,
                flush: torch.Tensor, copy: tuple[torch.Tensor, torch.Tensor], rounds: int,
-               clock: Callable[[], float] = time.perf_counter) -> dict:
-    """One batch x context in one dtype: kernel and copy times, GB/s, share of copy.
-    ``copy`` is (destination, source)."""
+               clock: Callable[[], float] = time.perf_counter, cache_dtype: torch.dtype | None = None) -> dict:
+    """One batch x context in one dtype (queries; the caches' where ``cache_dtype`` is None):
+    kernel and copy times, GB/s, share of copy. ``copy`` is (destination, source)."""
     from kernels import cpu_attention, reference
 
     inputs = make_decode_inputs(batch, context, shape, device="cpu", dtype=dtype)
+    cache_dtype = cache_dtype or dtype
+    inputs["k_cache"], inputs["v_cache"] = inputs["k_cache"].to(cache_dtype), inputs["v_cache"].to(cache_dtype)
     args = [inputs[k] for k in ("query", "k_cache", "v_cache", "block_tables", "query_start_loc",
                                 "seq_lens", "scale")]
     kernel = lambda: cpu_attention.paged_attention(*args, isa=isa)  # noqa: E731
     seconds = time_turns({"kernel": kernel, "copy": lambda: copy[0].copy_(copy[1])}, flush, rounds, clock)
-    num_bytes = decode_bytes(batch, context, replace(shape, elem_size=dtype.itemsize))
+    # K and V at the cache's element size, the query and output at the query's
+    num_bytes = (decode_bytes(batch, context, replace(shape, elem_size=cache_dtype.itemsize))
+                 + 2 * batch * shape.num_heads * shape.head_dim * (dtype.itemsize - cache_dtype.itemsize))
     kernel_gbps = gbps(num_bytes, seconds["kernel"] * 1e3)
     copy_gbps = gbps(2 * copy[1].numel(), seconds["copy"] * 1e3)
     row = {"batch": batch, "context": context, "bytes": num_bytes, "ms": _sig(seconds["kernel"] * 1e3),
@@ -123,13 +142,14 @@ def decode_row(batch: int, context: int, shape: AttentionShape, dtype: torch.dty
 
 
 def prefill_rows(shape: AttentionShape, dtype: torch.dtype, isa: str | None, flush: torch.Tensor, rounds: int,
-                 cases=PREFILL_CASES, clock: Callable[[], float] = time.perf_counter) -> list[dict]:
+                 cases=PREFILL_CASES, clock: Callable[[], float] = time.perf_counter,
+                 cache_dtype: torch.dtype | None = None) -> list[dict]:
     """Each case through the kernel and through the reference's per-sequence path."""
     from kernels import cpu_attention, reference
 
     rows = []
     for name, seqs in cases:
-        args = make_prefill_inputs(seqs, shape, dtype)
+        args = make_prefill_inputs(seqs, shape, dtype, cache_dtype)
         fns = {"kernel": functools.partial(cpu_attention.paged_attention, *args, isa=isa),
                "tiles": functools.partial(cpu_attention.paged_attention, *args, isa=isa, prefill="tiles"),
                "per_sequence": functools.partial(reference.paged_attention, *args)}
@@ -197,14 +217,16 @@ def run_cpu(shape_name: str = "smollm2-135m", dtypes=DTYPES, batches=BATCHES, co
               "huge_pages": huge_pages_requested(), "flush_bytes": flush_bytes,
               "decode": {}, "prefill": {}}
     for dtype_name in dtypes:
-        dtype = getattr(torch, dtype_name)
+        dtype, cache_dtype = parse_dtypes(dtype_name)
         rows = result["decode"][dtype_name] = []
         for context in contexts:
             for batch in batches:
-                rows.append(decode_row(batch, context, shape, dtype, isa, flush, copy, rounds, CLOCKS[clock]))
+                rows.append(decode_row(batch, context, shape, dtype, isa, flush, copy, rounds, CLOCKS[clock],
+                                       cache_dtype))
                 log(f"{dtype_name} " + format_decode_table(rows[-1:]).splitlines()[-1])
         if prefill_cases:
-            result["prefill"][dtype_name] = prefill_rows(shape, dtype, isa, flush, rounds, prefill_cases, CLOCKS[clock])
+            result["prefill"][dtype_name] = prefill_rows(shape, dtype, isa, flush, rounds, prefill_cases,
+                                                         CLOCKS[clock], cache_dtype)
     result["load_average_after"] = os.getloadavg()
     return result
 

@@ -173,16 +173,19 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, isa: str | None = None) -> None:
     """Same contract as ``kernels.reference.store_kv`` (CPU tensors, ``slot_mapping`` int64), one
     C++ loop of row copies (the reference's two ``index_put_`` calls took ~50 us a layer for a
-    64-token decode step, this ~2 us). Releases the GIL.
+    64-token decode step, this ~2 us). Into ``float8_e5m2`` caches each row is rounded by the
+    vector kernels of ``isa`` (as ``paged_attention``'s argument), bit for bit as
+    ``Tensor.to(torch.float8_e5m2)``. Releases the GIL.
 
     Raises:
-        RuntimeError: for shapes, dtypes or strides that do not fit the cache, or a slot outside
-            ``[-1, num_blocks * block_size)`` (checked before anything is written).
+        RuntimeError: for shapes, dtypes or strides that do not fit the cache, a slot outside
+            ``[-1, num_blocks * block_size)`` (checked before anything is written), or an
+            ``isa`` this CPU cannot run.
     """
-    load().store_kv(key, value, k_cache, v_cache, slot_mapping)
+    load().store_kv(key, value, k_cache, v_cache, slot_mapping, _isa(isa))
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

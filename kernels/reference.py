@@ -27,8 +27,10 @@ def store_kv(
     """Write the new tokens' keys and values into their cache slots, in place.
 
     Args:
-        key: ``[num_tokens, num_kv_heads, head_dim]``, the cache's dtype.
-        value: ``[num_tokens, num_kv_heads, head_dim]``, the cache's dtype.
+        key: ``[num_tokens, num_kv_heads, head_dim]``, the cache's dtype, or any float dtype
+            for a ``float8_e5m2`` cache (``kv_cache_dtype="fp8_e5m2"``): rounded to it as
+            ``Tensor.to`` rounds (nearest, ties to even; past 57,344 to infinity).
+        value: ``[num_tokens, num_kv_heads, head_dim]``, as ``key``.
         k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         slot_mapping: ``[num_tokens]``, int64 flat slot per token; a slot of -1 is skipped
@@ -43,8 +45,8 @@ def store_kv(
         keep = keep.to(key.device, non_blocking=True)
         key, value = key[keep], value[keep]
     slots = slot_mapping.to(k_cache.device, non_blocking=True)
-    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = key
-    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = value
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = key.to(k_cache.dtype)
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = value.to(v_cache.dtype)
 
 
 def paged_attention(
@@ -71,8 +73,9 @@ def paged_attention(
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]``, fp32, fp16 or bf16.
-        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype.
-        v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype.
+        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, ``query``'s dtype or
+            ``float8_e5m2``, whose values are widened (exactly) to ``query``'s dtype as read.
+        v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, as ``k_cache``.
         block_tables: ``[num_seqs, max_blocks_per_seq]``, int32; entries past a sequence's
             last block are ignored (any value, -1 included), as are cache slots past its
             length (any value, NaN included).
@@ -105,8 +108,8 @@ def prefill_attention(query, k_cache, v_cache, block_tables, starts: list[int], 
     for i, seq_len in enumerate(lens):
         if starts[i + 1] - starts[i] > 1:
             blocks = block_tables[i, :cdiv(seq_len, k_cache.shape[1])].long()
-            k = k_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
-            v = v_cache[blocks].flatten(0, 1)[:seq_len]
+            k = k_cache[blocks].flatten(0, 1)[:seq_len].to(query.dtype)  # [seq_len, num_kv_heads, head_dim]
+            v = v_cache[blocks].flatten(0, 1)[:seq_len].to(query.dtype)
             q = query[starts[i]:starts[i + 1]]  # [query_len, num_heads, head_dim]
             # A whole prompt is plain causal attention (SDPA then skips the masked tiles); a
             # chunk after cached tokens needs the mask shifted by the prefix.
@@ -128,8 +131,8 @@ def _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, rows,
     tables = block_tables[_to(rows, device), :max_blocks].long().clamp_(0, num_blocks - 1).flatten()
     padded_len = max_blocks * block_size
     # k, v: [num_rows, padded_len, num_kv_heads, head_dim]
-    k = k_cache.index_select(0, tables).view(len(rows), padded_len, num_kv_heads, head_dim)
-    v = v_cache.index_select(0, tables).view(len(rows), padded_len, num_kv_heads, head_dim)
+    k = k_cache.index_select(0, tables).to(query.dtype).view(len(rows), padded_len, num_kv_heads, head_dim)
+    v = v_cache.index_select(0, tables).to(query.dtype).view(len(rows), padded_len, num_kv_heads, head_dim)
     row_lens = [lens[i] for i in rows]
     valid = torch.arange(padded_len, device=device)[None, :] < _to(row_lens, device)[:, None]
     # A slot past a sequence's end may hold anything, NaN included, and a mask cannot hide

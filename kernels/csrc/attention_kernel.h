@@ -15,6 +15,13 @@ struct bf16_t {
 struct fp16_t {
   uint16_t bits;
 };
+// An fp8 E5M2 value as raw bits (OCP 8-bit floating point, E5M2: 1 sign, 5 exponent bits with
+// bias 15, 2 mantissa bits): the top byte of the IEEE binary16 of the same value, so it widens
+// exactly through fp16. Layout-compatible with c10::Float8_e5m2; the KV cache's element with
+// kv_cache_dtype="fp8_e5m2".
+struct fp8e5m2_t {
+  uint8_t bits;
+};
 
 // Keys per tile: the kernels take keys this many at a time at most (one AVX-512 register of
 // scores); buffers sized per tile use it.
@@ -70,13 +77,23 @@ using AttendFn = void (*)(const AttentionProblem&, const AttentionTask&, const T
 // out[i] = silu(gate[i]) * up[i] over n bf16 elements (activation.h).
 using SiluAndMulFn = void (*)(const bf16_t* gate, const bf16_t* up, bf16_t* out, int64_t n);
 
-// The kernels of one instruction set, one per cache dtype.
+// out[i] = in[i] rounded to fp8 E5M2 (nearest, ties to even, as torch) for i < n (kv_store.h).
+template <class T>
+using ToE5m2Fn = void (*)(const T* in, fp8e5m2_t* out, int64_t n);
+
+// The kernels of one instruction set: attention per query dtype over a cache of the same dtype,
+// and per query dtype over an fp8 E5M2 cache (widened to fp32 as it is read); the activation;
+// the fp8 cache's rounding per input dtype.
 struct IsaKernels {
   const char* name;
   int64_t head_dim_multiple;  // head_dim must be a multiple of this (one vector)
   AttendFn attend_f32, attend_bf16, attend_f16;
+  AttendFn attend_f32_e5m2, attend_bf16_e5m2, attend_f16_e5m2;
   bool whole_decode_tokens_f32;  // an fp32 decode token is one task of all its KV heads
   SiluAndMulFn silu_and_mul_bf16;
+  ToE5m2Fn<float> to_e5m2_f32;
+  ToE5m2Fn<bf16_t> to_e5m2_bf16;
+  ToE5m2Fn<fp16_t> to_e5m2_f16;
 };
 
 // Defined in attention_kernels.cpp. Only kScalarKernels exists off x86-64 GCC; calling the

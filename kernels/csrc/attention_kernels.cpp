@@ -1,4 +1,5 @@
-// The attention kernels (and the MLP's activation, activation.h), compiled once per instruction
+// The attention kernels (and the MLP's activation, activation.h, and the rounding of an fp8 KV
+// cache's store, kv_store.h), compiled once per instruction
 // set in one translation unit: the same source (attention_tile.h and activation.h over vec_*.h)
 // goes into a namespace per instruction set, inside a GCC `target` region, so the build does not
 // depend on the build host's CPU (no -march) and the driver picks a kernel by the running CPU's
@@ -49,17 +50,49 @@ inline float fp16_to_float(uint16_t h) {
   return sign ? -magnitude : magnitude;
 }
 
+// fp32 -> fp8 E5M2 bits, rounding to the nearest value, ties to even mantissas, as torch's
+// `.to(torch.float8_e5m2)`: magnitudes from 61,440 (halfway past the largest finite value,
+// 57,344) up become infinity, NaN stays NaN (0x7f, with its sign). E5M2: 1 sign, 5 exponent
+// bits (bias 15), 2 mantissa bits; normal from 2^-14, subnormal steps of 2^-16.
+inline uint8_t float_to_e5m2_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return sign | 0x7fu;                  // NaN
+  if (magnitude >= (127u + 16u) << 23) return sign | 0x7cu;          // >= 2^16: infinity
+  if (magnitude < (127u - 14u) << 23) {                              // below 2^-14: subnormal steps
+    float abs_x;                                                     // |x| * 2^16: exact, in steps
+    std::memcpy(&abs_x, &magnitude, sizeof(abs_x));                  // (4 steps = 2^-14: the
+    return sign | static_cast<uint8_t>(std::nearbyint(abs_x * 65536.f));  // smallest normal's bits)
+  }
+  // Normal: re-bias the exponent (127 -> 15) and keep the top 2 of 23 mantissa bits, adding half
+  // an ulp less one plus the kept lowest bit, so that exact halves round to even; a carry moves
+  // into the exponent (and past 57,344 into the infinity's bits, 0x7c).
+  const uint32_t rebiased = magnitude - ((127u - 15u) << 23);
+  const uint32_t rounded = rebiased + 0xfffffu + ((rebiased >> 21) & 1u);
+  return sign | static_cast<uint8_t>(rounded >> 21);
+}
+
+// An element as fp32 (exact), for the scalar tails of to_e5m2.
+inline float to_float(float x) { return x; }
+inline float to_float(bf16_t x) { return bf16_to_float(x.bits); }
+inline float to_float(fp16_t x) { return fp16_to_float(x.bits); }
+
 }  // namespace
 
 // An instruction set's IsaKernels: head_dim must be a multiple of its vector width.
 // `whole_f32`: whether fp32 decode tokens are whole tasks (cpu_attention.cpp: paged_attention).
 #define MINI_INFER_KERNEL_TABLE(isa, name, whole_f32) \
-  {name, isa::kLanes, &isa::attend<float>, &isa::attend<bf16_t>, &isa::attend<fp16_t>, whole_f32, &isa::silu_and_mul_bf16}
+  {name, isa::kLanes, &isa::attend<float>, &isa::attend<bf16_t>, &isa::attend<fp16_t>,                   \
+   &isa::attend<float, fp8e5m2_t>, &isa::attend<bf16_t, fp8e5m2_t>, &isa::attend<fp16_t, fp8e5m2_t>,      \
+   whole_f32, &isa::silu_and_mul_bf16, &isa::to_e5m2<float>, &isa::to_e5m2<bf16_t>, &isa::to_e5m2<fp16_t>}
 
 namespace isa_scalar {
 #include "vec_scalar.h"
 #include "attention_tile.h"
 #include "activation.h"
+#include "kv_store.h"
 }  // namespace isa_scalar
 // The scalar kernels plan as AVX2 does (untimed): so that the tests run whole fp32 decode
 // tasks on every CPU.
@@ -72,6 +105,7 @@ namespace isa_avx2 {
 #include "vec_avx2.h"
 #include "attention_tile.h"
 #include "activation.h"
+#include "kv_store.h"
 }  // namespace isa_avx2
 #pragma GCC pop_options
 
@@ -81,6 +115,7 @@ namespace isa_avx512 {
 #include "vec_avx512.h"
 #include "attention_tile.h"
 #include "activation.h"
+#include "kv_store.h"
 }  // namespace isa_avx512
 #pragma GCC pop_options
 
@@ -91,6 +126,7 @@ namespace isa_avx512_bf16 {
 #include "vec_avx512.h"
 #include "attention_tile.h"
 #include "activation.h"
+#include "kv_store.h"
 }  // namespace isa_avx512_bf16
 #undef MINI_INFER_NATIVE_BF16
 #pragma GCC pop_options

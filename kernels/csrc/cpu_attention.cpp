@@ -353,6 +353,7 @@ void run_sdpa_prefills(const torch::Tensor& query, const torch::Tensor& k_cache,
     const auto ids = tables[i].narrow(0, 0, blocks).to(torch::kInt64);
     auto gather = [&](const torch::Tensor& cache) {  // [1, num_kv_heads, len, head_dim], strided
       return cache.index_select(0, ids).view({blocks * block_size, num_kv_heads, head_dim}).narrow(0, 0, len)
+          .to(query.scalar_type())  // an fp8 cache, widened (exactly) to the query's dtype
           .transpose(0, 1).unsqueeze(0);
     };
     const auto q = query.narrow(0, token, query_len).transpose(0, 1).unsqueeze(0);  // [1, H, query_len, D]
@@ -378,8 +379,12 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_attention: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "paged_attention: query [T, H, D], cache [N, B, KVH, D]");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_attention: query and caches must share a dtype");
+  const bool e5m2_cache = k_cache.scalar_type() == torch::kFloat8_e5m2;
+  TORCH_CHECK((query.scalar_type() == k_cache.scalar_type() || e5m2_cache) &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_attention: the caches must share a dtype with each other and with query, or be "
+              "float8_e5m2; got query ", query.scalar_type(), ", caches ", k_cache.scalar_type(), " and ",
+              v_cache.scalar_type());
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
               "paged_attention: k_cache and v_cache differ in shape or strides");
   TORCH_CHECK(query.stride(2) == 1 && k_cache.stride(3) == 1, "paged_attention: head_dim must be contiguous");
@@ -408,26 +413,62 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   // AVX-512 kernels the same tasks ran 0.85-0.89x as fast at batch 16-256 (Xeon with AMX, 2
   // threads, 1 GiB flushed) and bf16 ones 0.78-0.83x on both CPUs, so there a task is one KV
   // head (docs/PERFORMANCE.md).
-  const bool whole_decode_tokens = query.scalar_type() == torch::kFloat32 && kernels.whole_decode_tokens_f32;
+  const bool whole_decode_tokens = k_cache.scalar_type() == torch::kFloat32 && kernels.whole_decode_tokens_f32;
   const bool sdpa = sdpa_prefill && query.scalar_type() == torch::kBFloat16;
   const Plan plan = plan_work(shape, group, num_splits, whole_decode_tokens, sdpa);
   auto out = torch::empty_like(query);
-  switch (query.scalar_type()) {
-    case torch::kFloat32: run_plan<float>(plan, problem, shape.num_kv_heads, kernels.attend_f32, out); break;
-    case torch::kBFloat16: run_plan<c10::BFloat16>(plan, problem, shape.num_kv_heads, kernels.attend_bf16, out); break;
-    case torch::kHalf: run_plan<c10::Half>(plan, problem, shape.num_kv_heads, kernels.attend_f16, out); break;
+  switch (query.scalar_type()) {  // an fp8 cache: the kernels that widen it as they read it
+    case torch::kFloat32:
+      run_plan<float>(plan, problem, shape.num_kv_heads, e5m2_cache ? kernels.attend_f32_e5m2 : kernels.attend_f32,
+                      out);
+      break;
+    case torch::kBFloat16:
+      run_plan<c10::BFloat16>(plan, problem, shape.num_kv_heads,
+                              e5m2_cache ? kernels.attend_bf16_e5m2 : kernels.attend_bf16, out);
+      break;
+    case torch::kHalf:
+      run_plan<c10::Half>(plan, problem, shape.num_kv_heads, e5m2_cache ? kernels.attend_f16_e5m2 : kernels.attend_f16,
+                          out);
+      break;
     default: TORCH_CHECK(false, "paged_attention: dtype must be float32, bfloat16 or float16; got ", query.scalar_type());
   }
   if (sdpa) run_sdpa_prefills(query, k_cache, v_cache, tables, shape, scale, out);
   return out;
 }
 
+namespace {
+
+// store_kv into float8_e5m2 caches from fp32, bf16 or fp16 keys and values (checked by store_kv),
+// each row rounded by `round` (IsaKernels::to_e5m2_*), with `T` the kernels' name of scalar_t.
+template <class scalar_t, class T>
+void store_kv_e5m2(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache,
+                   torch::Tensor& v_cache, const int64_t* slot, void (*round)(const T*, mini_infer::fp8e5m2_t*, int64_t)) {
+  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_dim = key.size(2);
+  const int64_t block_size = k_cache.size(1);
+  const scalar_t* k_src = key.data_ptr<scalar_t>();
+  const scalar_t* v_src = value.data_ptr<scalar_t>();
+  auto* k_dst = static_cast<mini_infer::fp8e5m2_t*>(k_cache.data_ptr());
+  auto* v_dst = static_cast<mini_infer::fp8e5m2_t*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slot[t] < 0) continue;
+    const int64_t cache_row = slot[t] / block_size * k_cache.stride(0) + slot[t] % block_size * k_cache.stride(1);
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t row = cache_row + h * k_cache.stride(2);
+      round(reinterpret_cast<const T*>(k_src + t * key.stride(0) + h * key.stride(1)), k_dst + row, head_dim);
+      round(reinterpret_cast<const T*>(v_src + t * value.stride(0) + h * value.stride(1)), v_dst + row, head_dim);
+    }
+  }
+}
+
+}  // namespace
+
 // Writes each token's key and value rows into its cache slot: kernels/reference.py's store_kv.
-// key, value: [num_tokens, num_kv_heads, head_dim] in the caches' dtype, any strides with
-// head_dim contiguous; slot_mapping: [num_tokens] int64, flat slot per token, -1 skips one.
-// Every slot is checked before anything is written.
+// key, value: [num_tokens, num_kv_heads, head_dim] in the caches' dtype (or fp32, bf16 or fp16
+// into float8_e5m2 caches, rounded as torch's conversion), any strides with head_dim
+// contiguous; slot_mapping: [num_tokens] int64, flat slot per token, -1 skips one. Every slot
+// is checked before anything is written. `isa` ("auto" or a name) rounds to fp8.
 void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache, torch::Tensor& v_cache,
-              const torch::Tensor& slot_mapping) {
+              const torch::Tensor& slot_mapping, const std::string& isa) {
   TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && k_cache.device().is_cpu() &&
                   v_cache.device().is_cpu() && slot_mapping.device().is_cpu(),
               "store_kv: CPU tensors only");
@@ -438,9 +479,14 @@ void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3),
               "store_kv: key [T, ", key.size(1), ", ", key.size(2), "] does not fit cache rows [", k_cache.size(2),
               ", ", k_cache.size(3), "]");
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
-                  v_cache.scalar_type() == k_cache.scalar_type(),
-              "store_kv: key, value and caches must share a dtype");
+  const bool e5m2_cache = k_cache.scalar_type() == torch::kFloat8_e5m2;
+  TORCH_CHECK(value.scalar_type() == key.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (key.scalar_type() == k_cache.scalar_type() ||
+                   (e5m2_cache && (key.scalar_type() == torch::kFloat32 || key.scalar_type() == torch::kBFloat16 ||
+                                   key.scalar_type() == torch::kHalf))),
+              "store_kv: key, value and caches must share a dtype, or the caches be float8_e5m2 and key and "
+              "value fp32, bf16 or fp16; got key ", key.scalar_type(), ", value ", value.scalar_type(),
+              ", caches ", k_cache.scalar_type(), " and ", v_cache.scalar_type());
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && k_cache.stride(3) == 1,
               "store_kv: head_dim must be contiguous");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == torch::kInt64 &&
@@ -453,6 +499,15 @@ void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   for (int64_t t = 0; t < num_tokens; ++t)
     TORCH_CHECK(slot[t] >= -1 && slot[t] < num_slots, "store_kv: slot_mapping[", t, "] = ", slot[t],
                 " is outside the cache's ", num_slots, " slots");
+  if (e5m2_cache && key.scalar_type() != k_cache.scalar_type()) {  // rounded by the `isa` kernels
+    const IsaKernels& kernels = select_kernels(isa, 0, "store_kv");
+    switch (key.scalar_type()) {
+      case torch::kFloat32: return store_kv_e5m2<float>(key, value, k_cache, v_cache, slot, kernels.to_e5m2_f32);
+      case torch::kBFloat16:
+        return store_kv_e5m2<c10::BFloat16>(key, value, k_cache, v_cache, slot, kernels.to_e5m2_bf16);
+      default: return store_kv_e5m2<c10::Half>(key, value, k_cache, v_cache, slot, kernels.to_e5m2_f16);
+    }
+  }
   const int64_t element = key.element_size(), row_bytes = key.size(2) * element;
   const char* k_src = static_cast<const char*>(key.data_ptr());
   const char* v_src = static_cast<const char*>(value.data_ptr());
@@ -580,7 +635,7 @@ TORCH_LIBRARY_IMPL(mini_infer, CPU, m) { m.impl("silu_and_mul", &silu_and_mul); 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "Write new keys and values into their paged-cache slots", py::arg("key"),
-        py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+        py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"), py::arg("isa") = "auto",
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention, "Paged causal attention on the CPU (decode tokens and prefill chunks)",
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start_loc"),

@@ -12,7 +12,34 @@ inline vfloat vload(const bf16_t* p) {  // bf16 is the top half of an fp32
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 inline vfloat vload(const fp16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vfloat vload(const fp8e5m2_t* p) {  // e5m2 is the top byte of an fp16
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
+}
 inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
+// To fp8 E5M2, rounding to nearest even as float_to_e5m2_bits (attention_kernels.cpp), 8 lanes.
+// (Signed compares: magnitudes are below 2^31.)
+inline void vstore(fp8e5m2_t* p, vfloat v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+  const __m256i rebiased = _mm256_sub_epi32(magnitude, _mm256_set1_epi32((127 - 15) << 23));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(rebiased, 21), _mm256_set1_epi32(1));
+  __m256i out = _mm256_srli_epi32(_mm256_add_epi32(rebiased, _mm256_add_epi32(odd, _mm256_set1_epi32(0xfffff))), 21);
+  const __m256i steps = _mm256_cvtps_epi32(  // the default rounding mode: nearest even
+      _mm256_mul_ps(_mm256_castsi256_ps(magnitude), _mm256_set1_ps(65536.f)));
+  out = _mm256_blendv_epi8(out, steps, _mm256_cmpgt_epi32(_mm256_set1_epi32((127 - 14) << 23), magnitude));
+  out = _mm256_blendv_epi8(out, _mm256_set1_epi32(0x7c),
+                           _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(((127 + 16) << 23) - 1)));
+  out = _mm256_blendv_epi8(out, _mm256_set1_epi32(0x7f), _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000)));
+  // byte 0 of each lane: the four of each 128-bit half into its first four bytes
+  const __m256i first_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i packed = _mm256_shuffle_epi8(_mm256_or_si256(out, sign), first_bytes);
+  const int32_t low = _mm256_extract_epi32(packed, 0), high = _mm256_extract_epi32(packed, 4);
+  std::memcpy(p, &low, 4);
+  std::memcpy(reinterpret_cast<uint8_t*>(p) + 4, &high, 4);
+}
 inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }

@@ -10,7 +10,9 @@ inline vfloat vset1(float x) { return x; }
 inline vfloat vload(const float* p) { return *p; }
 inline vfloat vload(const bf16_t* p) { return bf16_to_float(p->bits); }
 inline vfloat vload(const fp16_t* p) { return fp16_to_float(p->bits); }
+inline vfloat vload(const fp8e5m2_t* p) { return fp16_to_float(static_cast<uint16_t>(p->bits << 8)); }
 inline void vstore(float* p, vfloat v) { *p = v; }
+inline void vstore(fp8e5m2_t* p, vfloat v) { p->bits = float_to_e5m2_bits(v); }
 inline vfloat vadd(vfloat a, vfloat b) { return a + b; }
 inline vfloat vsub(vfloat a, vfloat b) { return a - b; }
 inline vfloat vmul(vfloat a, vfloat b) { return a * b; }

@@ -75,7 +75,8 @@ def slots_of(block_table_row: torch.Tensor, seq_len: int, block_size: int) -> to
 
 def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
                block_size: int, dtype: torch.dtype, seed: int = 0,
-               num_blocks: int | None = None, first_block: int = 0) -> PagedBatch:
+               num_blocks: int | None = None, first_block: int = 0,
+               cache_dtype: torch.dtype | None = None) -> PagedBatch:
     """Random queries and a paged cache holding every sequence's full context.
 
     Args:
@@ -84,6 +85,8 @@ def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
             than needed is allocated with ``torch.empty`` (pages never touched cost no
             memory) and only the batch's blocks are poisoned and filled.
         first_block: lowest block id handed out (to place the batch high in a big pool).
+        cache_dtype: the caches' dtype where it is not the query's (``torch.float8_e5m2``:
+            keys and values drawn in ``dtype``, stored rounded to it).
     """
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [s for s, _ in seqs]
@@ -91,8 +94,8 @@ def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
     num_blocks = num_blocks or 2 * needed + 3
     tables = shuffled_block_tables(seq_lens, block_size, num_blocks, gen, first_block)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.empty(shape, dtype=dtype, device=DEVICE)
-    v_cache = torch.empty(shape, dtype=dtype, device=DEVICE)
+    k_cache = torch.empty(shape, dtype=cache_dtype or dtype, device=DEVICE)
+    v_cache = torch.empty(shape, dtype=cache_dtype or dtype, device=DEVICE)
     used = tables[tables >= 0].long().to(DEVICE)
     k_cache[used] = float("nan")
     v_cache[used] = float("nan")

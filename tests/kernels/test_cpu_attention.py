@@ -64,6 +64,26 @@ def test_every_isa_matches_reference(isa, shape_id, dtype):
     _assert_matches(cpu_attention.paged_attention(*batch.args(), isa=isa), expected)
 
 
+# kv_cache_dtype="fp8_e5m2": the caches hold fp8, widened to fp32 as the kernels read them; the
+# reference widens them to the query's dtype (exactly) and computes as before.
+FP8_SHAPES = ["decode-g3-d64-b16", "decode-g7-d128-b32", "prompts-g1-d64-b16", "chunks-g7-d64-b16",
+              "mixed-g1-d80-b16", "many-decodes-g3-d64-b16", "decode-g4-d128-kv8-b16"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape_id", FP8_SHAPES)
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_isa_matches_reference_over_an_fp8_e5m2_cache(isa, shape_id, dtype):
+    seqs, num_heads, num_kv_heads, head_dim, block_size = SHAPES[shape_id]
+    batch = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=len(seqs),
+                       cache_dtype=torch.float8_e5m2)
+    assert batch.k_cache.dtype == torch.float8_e5m2
+    expected = reference.paged_attention(*batch.args())
+    _assert_matches(cpu_attention.paged_attention(*batch.args(), isa=isa), expected)
+    if shape_id.startswith("decode"):
+        _assert_matches(cpu_attention.paged_attention(*batch.args(), isa=isa, num_splits=3), expected)
+
+
 @pytest.mark.parametrize("num_splits", [2, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("shape_id", ["decode-g3-d64-b16", "mixed-g7-d128-b8", "long-decode-g3-d64-b16",
@@ -84,11 +104,12 @@ LONG_SHAPES = {"long-chunks-g3-d64-b16": (LONG_CHUNKS, 9, 3, 64, 16),
 
 
 @pytest.mark.parametrize("prefill", ["sdpa", "tiles"])
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e5m2], ids=["cache-as-query", "cache-fp8_e5m2"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("shape_id", LONG_SHAPES)
-def test_long_prefill_chunks_match_reference_either_way(shape_id, dtype, prefill):
+def test_long_prefill_chunks_match_reference_either_way(shape_id, dtype, cache_dtype, prefill):
     seqs, num_heads, num_kv_heads, head_dim, block_size = LONG_SHAPES[shape_id]
-    batch = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=3)
+    batch = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=3, cache_dtype=cache_dtype)
     _assert_matches(cpu_attention.paged_attention(*batch.args(), prefill=prefill),
                     reference.paged_attention(*batch.args()))
 
@@ -241,10 +262,11 @@ def test_the_kernel_releases_the_gil():
     assert len(inside) >= 10, f"{len(inside)} samples inside calls of {[round(1000 * (e - b)) for b, e in span]} ms"
 
 
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e5m2], ids=["cache-as-key", "cache-fp8_e5m2"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kv_writes_what_the_reference_writes(dtype):
+def test_store_kv_writes_what_the_reference_writes(dtype, cache_dtype):
     torch.manual_seed(0)
-    k_cache, v_cache = torch.randn(2, 12, 16, 3, 64).to(dtype).unbind(0)
+    k_cache, v_cache = torch.randn(2, 12, 16, 3, 64).to(cache_dtype or dtype).unbind(0)
     # k and v as the model makes them: views into one q/k/v projection output (rows 960 apart)
     qkv = torch.randn(20, 960).to(dtype)
     key, value = qkv[:, 576:768].view(20, 3, 64), qkv[:, 768:].view(20, 3, 64)
@@ -253,8 +275,38 @@ def test_store_kv_writes_what_the_reference_writes(dtype):
     ours, theirs = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
     kernels.store_kv(key, value, *ours, slots, backend="cpu")
     reference.store_kv(key, value, *theirs, slots)
-    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
-    assert not torch.equal(ours[0], k_cache) and torch.equal(ours[0].view(-1, 3, 64)[slots[0]], key[0])
+    bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e5m2 else t  # noqa: E731
+    assert torch.equal(bits(ours[0]), bits(theirs[0])) and torch.equal(bits(ours[1]), bits(theirs[1]))
+    assert not torch.equal(bits(ours[0]), bits(k_cache))
+    assert torch.equal(bits(ours[0].view(-1, 3, 64)[slots[0]]), bits(key[0].to(k_cache.dtype)))
+
+
+@pytest.mark.parametrize("head_dim", [64, 72])
+@pytest.mark.parametrize("isa", ISAS)
+def test_store_kv_rounds_to_fp8_e5m2_as_torch_does(isa, head_dim):
+    """Every bf16 value (NaN, infinities, subnormals included), fp32 values at and around
+    E5M2's rounding ties and its largest finite value (57,344; 61,440 and up become infinity),
+    and random fp32 and fp16 values over E5M2's range, through each instruction set's vectors
+    (and, at head_dim 72, the last 8 of each row one by one on AVX-512): the bits torch's
+    ``Tensor.to`` gives."""
+    def stored(x):
+        rows = torch.cat([x.flatten(), x.new_zeros(-x.numel() % head_dim)]).view(-1, 1, head_dim)
+        k_cache = torch.zeros(rows.shape[0], 1, 1, head_dim, dtype=torch.float8_e5m2)
+        v_cache = torch.zeros_like(k_cache)
+        cpu_attention.store_kv(rows, -rows, k_cache, v_cache, torch.arange(rows.shape[0]), isa=isa)
+        n = x.numel()
+        return k_cache.view(torch.uint8).flatten()[:n], v_cache.view(torch.uint8).flatten()[:n]
+
+    every_bf16 = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    ties = torch.tensor([i * 2.0**-18 for i in range(80)] + [m * 2.0**e for e in (-14, -3, 0, 7, 15)
+                                                              for m in (1.125, 1.375, 1.625, 1.875, 1.1249999)]
+                        + [57344., 59392., 61439.996, 61440., 65535., 65536., 1e30])
+    generator = torch.Generator().manual_seed(0)
+    spread = torch.randn(64, 1000, generator=generator) * torch.logspace(-7, 5, 64)[:, None]
+    for x in (every_bf16, ties, -ties, spread, spread.half()):
+        k, v = stored(x)
+        assert torch.equal(k, x.flatten().to(torch.float8_e5m2).view(torch.uint8)), x.dtype
+        assert torch.equal(v, (-x).flatten().to(torch.float8_e5m2).view(torch.uint8)), x.dtype
 
 
 def test_store_kv_refuses_a_slot_outside_the_cache_and_writes_nothing():
