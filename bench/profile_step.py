@@ -1,6 +1,7 @@
 """Where one engine step's time goes, for a prefill step and a decode step of a workload.
 
     python bench/profile_step.py --workload ../shared/workloads/w1_mixed.json [--dtype float32]
+        [--kv-cache-dtype fp8_e5m2]
 
 It queues the whole workload, then profiles (torch.profiler, CPU time by operator) the first
 step (a 2048-token prefill) and a decode step once every request is running, and reports the
@@ -24,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import kernels
 from engine import LLM, SamplingParams
+from engine.config import KV_CACHE_DTYPES
 from engine.models.llama import Linear
 from engine.sampling_params import RequestOutputKind
 
@@ -123,12 +125,15 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--enforce-eager", action="store_true", help="no compiled glue")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="the engine's kv_cache_dtype")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     timed_attention = _Timed(_labelled(kernels.paged_attention, GROUPS["attention"][0]))
     timed_store = _Timed(_labelled(kernels.store_kv, GROUPS["kv store"][0]))
     kernels.paged_attention, kernels.store_kv = timed_attention, timed_store
-    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=args.enforce_eager)
+    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=args.enforce_eager,
+              kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.llm_engine
     # Back the CPU KV cache now, as bench/offline.py does, so that the steps profiled are not
     # charged with the first touch of the blocks they write (the prefill step's KV store took
@@ -148,6 +153,7 @@ def main() -> None:
     decode["num_seqs"] = engine.stats()["num_running"]
     unprofiled = unprofiled_decode(engine, timed_attention, timed_store)
     result = {"workload": args.workload.name, "model": args.model, "dtype": args.dtype,
+              "kv_cache_dtype": args.kv_cache_dtype,
               "attention_backend": engine.model_runner.backend,
               "compiled_glue": engine.model_runner.compiled_glue,
               "prepacked_weights": engine.model_runner.prepacked_weights, "machine": machine_info(),

@@ -127,6 +127,7 @@ def run_workload(llm: LLM, path: Path, populate_kv_cache: bool = True) -> dict:
             "prompt_tokens": sum(len(p) for p in prompts), "seconds": round(seconds, 3),
             "output_tokens_per_s": round(output_tokens / seconds, 2),
             "dtype": str(llm.llm_engine.model_runner.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(llm.llm_engine.model_runner.kv_cache_dtype).removeprefix("torch."),
             "device": str(llm.llm_engine.model_runner.device),
             "attention_backend": llm.llm_engine.model_runner.backend,
             "num_preemptions": stats["num_preemptions"],
@@ -154,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
         summary = run_workload(llm, args.workload, args.populate_kv_cache)
     print(f"requests: {summary['requests']}  output tokens: {summary['output_tokens']}  "
           f"seconds: {summary['seconds']:.2f}  output tokens/s: {summary['output_tokens_per_s']:.1f}  "
-          f"({summary['dtype']}, {summary['device']}, attention {summary['attention_backend']}, "
+          f"({summary['dtype']}, KV cache {summary['kv_cache_dtype']}, {summary['device']}, "
+          f"attention {summary['attention_backend']}, "
           f"prefix cache hits {summary['num_cached_tokens']} tokens)")
     if summary["kv_cache_populated"]:
         print(f"(the KV cache was backed with memory before the timed run, in {summary['kv_cache_populate_s']:.2f} s; "

@@ -68,9 +68,10 @@ class LLMEngine:
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, sched.max_model_len)
         self.num_generation_tokens = 0  # tokens sampled by every step so far
         self._num_failed_steps = 0  # steps in a row that failed outside the forward pass
-        logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, attention %s, "
+        logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens (%s), attention %s, "
                     "prefix caching %s", config.model, self.model_runner.dtype, self.model_runner.device,
                     self.block_manager.num_blocks, self.block_manager.block_size,
+                    str(self.model_runner.kv_cache_dtype).removeprefix("torch."),
                     self.model_runner.backend, "on" if config.cache.enable_prefix_caching else "off")
 
     # ---- requests ------------------------------------------------------------------------

@@ -103,6 +103,7 @@ class ModelRunner:
         cuda_start = CudaMemory.now(self.device) if self.device.type == "cuda" else None
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.backend = kernels.resolve_backend(config.attention_backend, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.backend)
         # Half-precision weights on a CPU without half-precision matrix units: fp32 matmuls.
         self.upcast_matmul = (self.device.type == "cpu" and self.dtype != torch.float32
                               and not cpu_has_bf16_matmul())
@@ -175,7 +176,7 @@ class ModelRunner:
         return model.eval()
 
     def kv_bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = self.kv_cache_dtype.itemsize
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
 
     def _num_kv_blocks(self, cuda_start: CudaMemory | None) -> int:
@@ -318,8 +319,8 @@ class ModelRunner:
         so that unused slots never hold NaN; on the CPU lazily (``lazily_zeroed_cpu``)."""
         shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         if self.device.type == "cpu":
-            return lazily_zeroed_cpu(shape, self.dtype)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return lazily_zeroed_cpu(shape, self.kv_cache_dtype)
+        return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -402,6 +403,27 @@ class HostBatch:
     num_decodes: int             # leading sequences whose query is one token
     logits_indices: np.ndarray   # [len(sample_rows)] int64: last token of each sampling row
     sample_rows: list[int]       # indices into SchedulerOutput.scheduled, in its order
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, backend: str) -> torch.dtype:
+    """The KV cache's element type for the ``kv_cache_dtype`` setting.
+
+    Args:
+        kv_cache_dtype: ``"auto"`` (``dtype``) or ``"fp8_e5m2"`` (``torch.float8_e5m2``: the
+            new K/V rounded to it as they are stored, widened exactly as attention reads them).
+        dtype: the model's dtype.
+        backend: the attention backend (``kernels.resolve_backend``'s answer).
+
+    Raises:
+        ValueError: naming ``kv_cache_dtype`` where the backend cannot read fp8 caches
+            (the Triton kernels).
+    """
+    if kv_cache_dtype == "auto":
+        return dtype
+    if backend == "triton":
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} needs attention_backend 'cpu' or 'torch'; "
+                         "the Triton kernels read caches of the model's dtype only")
+    return torch.float8_e5m2
 
 
 def build_host_batch(scheduled: list[ScheduledRequest], block_size: int) -> HostBatch:
