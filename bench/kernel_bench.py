@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu = sub.add_parser("cpu", help="time the CPU attention kernels (decode and prefill)")
     cpu.add_argument("--shape", default="smollm2-135m", choices=("smollm2-135m", "qwen2.5-7b"))
     cpu.add_argument("--dtypes", default="bfloat16,float32",
-                     help="query dtypes, comma-separated; QUERY/fp8_e5m2 (bfloat16/fp8_e5m2) for an fp8 "
-                     "E5M2 cache under QUERY's queries")
+                     help="query dtypes, comma-separated; QUERY/fp8_e4m3 or QUERY/fp8_e5m2 "
+                     "(bfloat16/fp8_e4m3) for an fp8 cache under QUERY's queries")
     cpu.add_argument("--batches", default="1,4,16,64,256")
     cpu.add_argument("--contexts", default="128,512,1024,2048,4096")
     cpu.add_argument("--isa", help="auto, or one of kernels.cpu_attention.supported_isas() "

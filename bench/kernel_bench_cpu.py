@@ -2,7 +2,8 @@
 
 Decode: ``kernels.cpu_attention.paged_attention`` on one decode token per sequence, every
 sequence ``context`` tokens long, shuffled block tables, for batch x context in bf16 and fp32
-(and, named as ``bfloat16/fp8_e5m2``, queries of one dtype over an fp8 E5M2 cache).
+(and, named as ``bfloat16/fp8_e5m2`` or ``bfloat16/fp8_e4m3``, queries of one dtype over an
+fp8 cache).
 Each is reported as GB/s over the bytes a decode step must move (``kernel_bench.decode_bytes``:
 K and V of every context token, the query in and the output out) next to the copy bandwidth
 of a 256 MiB tensor (read + write bytes) timed in the same loop: the kernel and the copy take
@@ -85,16 +86,17 @@ def time_turns(fns: dict[str, Callable[[], object]], flush: torch.Tensor, rounds
 
 
 def parse_dtypes(name: str) -> tuple[torch.dtype, torch.dtype]:
-    """``"bfloat16"`` -> (bf16 queries, bf16 caches); ``"bfloat16/fp8_e5m2"`` -> bf16 queries
-    over caches of fp8 E5M2 (the engine's ``kv_cache_dtype="fp8_e5m2"``).
+    """``"bfloat16"`` -> (bf16 queries, bf16 caches); ``"bfloat16/fp8_e5m2"`` or
+    ``"bfloat16/fp8_e4m3"`` -> bf16 queries over fp8 caches (the engine's ``kv_cache_dtype``).
 
     Raises:
-        ValueError: for a cache dtype other than fp8_e5m2, naming ``--dtypes``.
+        ValueError: for another cache dtype after '/', naming ``--dtypes``.
     """
     query, _, cache = name.partition("/")
-    if cache not in ("", "fp8_e5m2"):
-        raise ValueError(f"--dtypes: a cache dtype after '/' must be fp8_e5m2; got {name!r}")
-    return getattr(torch, query), torch.float8_e5m2 if cache else getattr(torch, query)
+    caches = {"fp8_e5m2": torch.float8_e5m2, "fp8_e4m3": torch.float8_e4m3fn}
+    if cache and cache not in caches:
+        raise ValueError(f"--dtypes: a cache dtype after '/' must be one of {sorted(caches)}; got {name!r}")
+    return getattr(torch, query), caches[cache] if cache else getattr(torch, query)
 
 
 def make_prefill_inputs(seqs: list[tuple[int, int]], shape: AttentionShape, dtype: torch.dtype,

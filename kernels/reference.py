@@ -28,8 +28,9 @@ def store_kv(
 
     Args:
         key: ``[num_tokens, num_kv_heads, head_dim]``, the cache's dtype, or any float dtype
-            for a ``float8_e5m2`` cache (``kv_cache_dtype="fp8_e5m2"``): rounded to it as
-            ``Tensor.to`` rounds (nearest, ties to even; past 57,344 to infinity).
+            for an fp8 cache (``kv_cache_dtype`` ``"fp8_e5m2"``, ``"fp8_e4m3"``): rounded to it
+            as ``Tensor.to`` rounds (nearest, ties to even; ``float8_e5m2`` past 57,344 to
+            infinity), ``float8_e4m3fn`` saturating at +-448 (``_to_cache``).
         value: ``[num_tokens, num_kv_heads, head_dim]``, as ``key``.
         k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
@@ -45,8 +46,17 @@ def store_kv(
         keep = keep.to(key.device, non_blocking=True)
         key, value = key[keep], value[keep]
     slots = slot_mapping.to(k_cache.device, non_blocking=True)
-    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = key.to(k_cache.dtype)
-    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = value.to(v_cache.dtype)
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = _to_cache(key, k_cache.dtype)
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = _to_cache(value, v_cache.dtype)
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in the cache's ``dtype``: ``Tensor.to``, after clamping to +-448 for
+    ``float8_e4m3fn``, which has no infinity (``Tensor.to`` would give NaN past 464): values
+    saturate at its largest, as vLLM's fp8 conversion does."""
+    if dtype == torch.float8_e4m3fn:  # NaN stays NaN with its sign (clamp may drop the sign)
+        x = torch.where(x.isnan(), x, x.clamp(-448.0, 448.0))
+    return x.to(dtype)
 
 
 def paged_attention(
@@ -74,7 +84,8 @@ def paged_attention(
     Args:
         query: ``[num_tokens, num_heads, head_dim]``, fp32, fp16 or bf16.
         k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, ``query``'s dtype or
-            ``float8_e5m2``, whose values are widened (exactly) to ``query``'s dtype as read.
+            fp8 (``float8_e5m2``, ``float8_e4m3fn``), whose values are widened (exactly) to
+            ``query``'s dtype as read.
         v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, as ``k_cache``.
         block_tables: ``[num_seqs, max_blocks_per_seq]``, int32; entries past a sequence's
             last block are ignored (any value, -1 included), as are cache slots past its

@@ -15,11 +15,16 @@ struct bf16_t {
 struct fp16_t {
   uint16_t bits;
 };
-// An fp8 E5M2 value as raw bits (OCP 8-bit floating point, E5M2: 1 sign, 5 exponent bits with
-// bias 15, 2 mantissa bits): the top byte of the IEEE binary16 of the same value, so it widens
-// exactly through fp16. Layout-compatible with c10::Float8_e5m2; the KV cache's element with
-// kv_cache_dtype="fp8_e5m2".
+// fp8 values as raw bits (OCP 8-bit floating point), the KV cache's element with
+// kv_cache_dtype "fp8_e5m2" and "fp8_e4m3" ("fp8"). E5M2: 1 sign, 5 exponent bits (bias 15), 2
+// mantissa bits, infinities: the top byte of the IEEE binary16 of the same value.
+// Layout-compatible with c10::Float8_e5m2.
 struct fp8e5m2_t {
+  uint8_t bits;
+};
+// E4M3 ("fn": finite): 1 sign, 4 exponent bits (bias 7), 3 mantissa bits, no infinities, NaN
+// 0x7f / 0xff, largest value 448. Layout-compatible with c10::Float8_e4m3fn.
+struct fp8e4m3_t {
   uint8_t bits;
 };
 
@@ -77,23 +82,28 @@ using AttendFn = void (*)(const AttentionProblem&, const AttentionTask&, const T
 // out[i] = silu(gate[i]) * up[i] over n bf16 elements (activation.h).
 using SiluAndMulFn = void (*)(const bf16_t* gate, const bf16_t* up, bf16_t* out, int64_t n);
 
-// out[i] = in[i] rounded to fp8 E5M2 (nearest, ties to even, as torch) for i < n (kv_store.h).
-template <class T>
-using ToE5m2Fn = void (*)(const T* in, fp8e5m2_t* out, int64_t n);
+// The kernels of one fp8 cache format F (fp8e5m2_t, fp8e4m3_t): attention per query dtype over
+// such a cache (widened exactly to fp32 as it is read), and the store's rounding of new keys
+// and values into it per their dtype (kv_store.h: out[i] = in[i] in F, nearest with ties to
+// even; E4M3 saturates at 448).
+template <class F>
+struct Fp8Kernels {
+  AttendFn attend_f32, attend_bf16, attend_f16;
+  void (*from_f32)(const float* in, F* out, int64_t n);
+  void (*from_bf16)(const bf16_t* in, F* out, int64_t n);
+  void (*from_f16)(const fp16_t* in, F* out, int64_t n);
+};
 
-// The kernels of one instruction set: attention per query dtype over a cache of the same dtype,
-// and per query dtype over an fp8 E5M2 cache (widened to fp32 as it is read); the activation;
-// the fp8 cache's rounding per input dtype.
+// The kernels of one instruction set: attention per query dtype over a cache of the same dtype;
+// the activation; attention over and stores into each fp8 cache format.
 struct IsaKernels {
   const char* name;
   int64_t head_dim_multiple;  // head_dim must be a multiple of this (one vector)
   AttendFn attend_f32, attend_bf16, attend_f16;
-  AttendFn attend_f32_e5m2, attend_bf16_e5m2, attend_f16_e5m2;
   bool whole_decode_tokens_f32;  // an fp32 decode token is one task of all its KV heads
   SiluAndMulFn silu_and_mul_bf16;
-  ToE5m2Fn<float> to_e5m2_f32;
-  ToE5m2Fn<bf16_t> to_e5m2_bf16;
-  ToE5m2Fn<fp16_t> to_e5m2_f16;
+  Fp8Kernels<fp8e5m2_t> e5m2;
+  Fp8Kernels<fp8e4m3_t> e4m3;
 };
 
 // Defined in attention_kernels.cpp. Only kScalarKernels exists off x86-64 GCC; calling the

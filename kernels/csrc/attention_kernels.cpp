@@ -50,31 +50,57 @@ inline float fp16_to_float(uint16_t h) {
   return sign ? -magnitude : magnitude;
 }
 
-// fp32 -> fp8 E5M2 bits, rounding to the nearest value, ties to even mantissas, as torch's
-// `.to(torch.float8_e5m2)`: magnitudes from 61,440 (halfway past the largest finite value,
-// 57,344) up become infinity, NaN stays NaN (0x7f, with its sign). E5M2: 1 sign, 5 exponent
-// bits (bias 15), 2 mantissa bits; normal from 2^-14, subnormal steps of 2^-16.
-inline uint8_t float_to_e5m2_bits(float x) {
+// The two fp8 formats' parameters (attention_kernel.h), for fp8_bits and the vector stores.
+// Magnitudes from kOverflowFrom up (as fp32 bits) become kOverflowBits: E5M2's infinity from
+// 2^16 (values from 61,440, halfway past its largest, 57,344, round there anyway); E4M3's
+// largest value, 448, from 448 up (saturation, as vLLM's fp8 conversion; torch's `Tensor.to`
+// would give NaN past 464).
+template <class F>
+struct Fp8Format;
+template <>
+struct Fp8Format<fp8e5m2_t> {
+  static constexpr uint32_t kMantissaBits = 2, kBias = 15, kOverflowFrom = (127u + 16u) << 23;
+  static constexpr uint8_t kOverflowBits = 0x7c;
+};
+template <>
+struct Fp8Format<fp8e4m3_t> {
+  static constexpr uint32_t kMantissaBits = 3, kBias = 7, kOverflowFrom = 0x43e00000u;  // 448.0f
+  static constexpr uint8_t kOverflowBits = 0x7e;
+};
+
+// fp32 -> fp8 bits of format F, rounding to the nearest value with ties to even mantissas (as
+// torch's `Tensor.to`), overflow as Fp8Format says, NaN to NaN (0x7f, with its sign).
+template <class F>
+inline uint8_t fp8_bits(float x) {
+  using Format = Fp8Format<F>;
+  constexpr uint32_t kDrop = 23 - Format::kMantissaBits;  // fp32 mantissa bits dropped
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
   const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
   const uint32_t magnitude = bits & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return sign | 0x7fu;                  // NaN
-  if (magnitude >= (127u + 16u) << 23) return sign | 0x7cu;          // >= 2^16: infinity
-  if (magnitude < (127u - 14u) << 23) {                              // below 2^-14: subnormal steps
-    float abs_x;                                                     // |x| * 2^16: exact, in steps
-    std::memcpy(&abs_x, &magnitude, sizeof(abs_x));                  // (4 steps = 2^-14: the
-    return sign | static_cast<uint8_t>(std::nearbyint(abs_x * 65536.f));  // smallest normal's bits)
+  if (magnitude > 0x7f800000u) return sign | 0x7fu;  // NaN
+  if (magnitude >= Format::kOverflowFrom) return sign | Format::kOverflowBits;
+  if (magnitude < (128u - Format::kBias) << 23) {  // below the smallest normal: subnormal steps
+    float abs_x;                                    // of 2^(1 - bias - mantissa bits), counted
+    std::memcpy(&abs_x, &magnitude, sizeof(abs_x));  // exactly; a count of 2^mantissa bits is
+    return sign | static_cast<uint8_t>(std::nearbyint(  // the smallest normal's bits
+                      std::ldexp(abs_x, static_cast<int>(Format::kBias - 1 + Format::kMantissaBits))));
   }
-  // Normal: re-bias the exponent (127 -> 15) and keep the top 2 of 23 mantissa bits, adding half
-  // an ulp less one plus the kept lowest bit, so that exact halves round to even; a carry moves
-  // into the exponent (and past 57,344 into the infinity's bits, 0x7c).
-  const uint32_t rebiased = magnitude - ((127u - 15u) << 23);
-  const uint32_t rounded = rebiased + 0xfffffu + ((rebiased >> 21) & 1u);
-  return sign | static_cast<uint8_t>(rounded >> 21);
+  // Normal: re-bias the exponent and keep the top mantissa bits, adding half an ulp less one
+  // plus the kept lowest bit, so that exact halves round to even; a carry moves into the
+  // exponent.
+  const uint32_t rebiased = magnitude - ((127u - Format::kBias) << 23);
+  const uint32_t rounded = rebiased + ((1u << (kDrop - 1)) - 1u) + ((rebiased >> kDrop) & 1u);
+  return sign | static_cast<uint8_t>(rounded >> kDrop);
 }
 
-// An element as fp32 (exact), for the scalar tails of to_e5m2.
+// fp8 E4M3 bits -> the fp16 bits of its value / 2^8: sign in place, exponent and mantissa one
+// bit down (the widening multiplies by 256 after; NaN, 0x7f, becomes +-480 and is put back).
+inline uint16_t e4m3_to_scaled_fp16_bits(uint8_t b) {
+  return static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+}
+
+// An element as fp32 (exact), for the scalar tails of to_fp8.
 inline float to_float(float x) { return x; }
 inline float to_float(bf16_t x) { return bf16_to_float(x.bits); }
 inline float to_float(fp16_t x) { return fp16_to_float(x.bits); }
@@ -84,9 +110,11 @@ inline float to_float(fp16_t x) { return fp16_to_float(x.bits); }
 // An instruction set's IsaKernels: head_dim must be a multiple of its vector width.
 // `whole_f32`: whether fp32 decode tokens are whole tasks (cpu_attention.cpp: paged_attention).
 #define MINI_INFER_KERNEL_TABLE(isa, name, whole_f32) \
-  {name, isa::kLanes, &isa::attend<float>, &isa::attend<bf16_t>, &isa::attend<fp16_t>,                   \
-   &isa::attend<float, fp8e5m2_t>, &isa::attend<bf16_t, fp8e5m2_t>, &isa::attend<fp16_t, fp8e5m2_t>,      \
-   whole_f32, &isa::silu_and_mul_bf16, &isa::to_e5m2<float>, &isa::to_e5m2<bf16_t>, &isa::to_e5m2<fp16_t>}
+  {name, isa::kLanes, &isa::attend<float>, &isa::attend<bf16_t>, &isa::attend<fp16_t>, whole_f32,                \
+   &isa::silu_and_mul_bf16, MINI_INFER_FP8_KERNELS(isa, fp8e5m2_t), MINI_INFER_FP8_KERNELS(isa, fp8e4m3_t)}
+#define MINI_INFER_FP8_KERNELS(isa, F)                                                                       \
+  {&isa::attend<float, F>, &isa::attend<bf16_t, F>, &isa::attend<fp16_t, F>,                                \
+   &isa::to_fp8<float, F>, &isa::to_fp8<bf16_t, F>, &isa::to_fp8<fp16_t, F>}
 
 namespace isa_scalar {
 #include "vec_scalar.h"

@@ -32,6 +32,9 @@ using mini_infer::AttentionTask;
 using mini_infer::IsaKernels;
 using mini_infer::TaskBuffers;
 
+// Whether the KV caches hold fp8 (kv_cache_dtype "fp8_e5m2" or "fp8_e4m3").
+bool is_fp8(c10::ScalarType dtype) { return dtype == torch::kFloat8_e5m2 || dtype == torch::kFloat8_e4m3fn; }
+
 constexpr int64_t kPrefillRowsPerTask = 64;  // query rows (tokens x group) of one prefill task
 constexpr int64_t kTasksPerThread = 4;       // split decode contexts until there are this many
 constexpr int64_t kMinSplitKeys = 256;       // keys of one split, at least
@@ -379,12 +382,12 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_attention: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "paged_attention: query [T, H, D], cache [N, B, KVH, D]");
-  const bool e5m2_cache = k_cache.scalar_type() == torch::kFloat8_e5m2;
-  TORCH_CHECK((query.scalar_type() == k_cache.scalar_type() || e5m2_cache) &&
+  const bool fp8_cache = is_fp8(k_cache.scalar_type());
+  TORCH_CHECK((query.scalar_type() == k_cache.scalar_type() || fp8_cache) &&
                   k_cache.scalar_type() == v_cache.scalar_type(),
               "paged_attention: the caches must share a dtype with each other and with query, or be "
-              "float8_e5m2; got query ", query.scalar_type(), ", caches ", k_cache.scalar_type(), " and ",
-              v_cache.scalar_type());
+              "float8_e5m2 or float8_e4m3fn; got query ", query.scalar_type(), ", caches ", k_cache.scalar_type(),
+              " and ", v_cache.scalar_type());
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
               "paged_attention: k_cache and v_cache differ in shape or strides");
   TORCH_CHECK(query.stride(2) == 1 && k_cache.stride(3) == 1, "paged_attention: head_dim must be contiguous");
@@ -417,17 +420,21 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   const bool sdpa = sdpa_prefill && query.scalar_type() == torch::kBFloat16;
   const Plan plan = plan_work(shape, group, num_splits, whole_decode_tokens, sdpa);
   auto out = torch::empty_like(query);
-  switch (query.scalar_type()) {  // an fp8 cache: the kernels that widen it as they read it
+  // an fp8 cache: the kernels that widen it as they read it
+  const bool e5m2 = k_cache.scalar_type() == torch::kFloat8_e5m2;
+  switch (query.scalar_type()) {
     case torch::kFloat32:
-      run_plan<float>(plan, problem, shape.num_kv_heads, e5m2_cache ? kernels.attend_f32_e5m2 : kernels.attend_f32,
-                      out);
+      run_plan<float>(plan, problem, shape.num_kv_heads,
+                      !fp8_cache ? kernels.attend_f32 : e5m2 ? kernels.e5m2.attend_f32 : kernels.e4m3.attend_f32, out);
       break;
     case torch::kBFloat16:
-      run_plan<c10::BFloat16>(plan, problem, shape.num_kv_heads,
-                              e5m2_cache ? kernels.attend_bf16_e5m2 : kernels.attend_bf16, out);
+      run_plan<c10::BFloat16>(
+          plan, problem, shape.num_kv_heads,
+          !fp8_cache ? kernels.attend_bf16 : e5m2 ? kernels.e5m2.attend_bf16 : kernels.e4m3.attend_bf16, out);
       break;
     case torch::kHalf:
-      run_plan<c10::Half>(plan, problem, shape.num_kv_heads, e5m2_cache ? kernels.attend_f16_e5m2 : kernels.attend_f16,
+      run_plan<c10::Half>(plan, problem, shape.num_kv_heads,
+                          !fp8_cache ? kernels.attend_f16 : e5m2 ? kernels.e5m2.attend_f16 : kernels.e4m3.attend_f16,
                           out);
       break;
     default: TORCH_CHECK(false, "paged_attention: dtype must be float32, bfloat16 or float16; got ", query.scalar_type());
@@ -438,17 +445,17 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
 
 namespace {
 
-// store_kv into float8_e5m2 caches from fp32, bf16 or fp16 keys and values (checked by store_kv),
-// each row rounded by `round` (IsaKernels::to_e5m2_*), with `T` the kernels' name of scalar_t.
-template <class scalar_t, class T>
-void store_kv_e5m2(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache,
-                   torch::Tensor& v_cache, const int64_t* slot, void (*round)(const T*, mini_infer::fp8e5m2_t*, int64_t)) {
+// store_kv into fp8 caches (format F) from fp32, bf16 or fp16 keys and values (checked by
+// store_kv), each row rounded by `round` (Fp8Kernels::from_*), T the kernels' name of scalar_t.
+template <class scalar_t, class T, class F>
+void store_kv_fp8(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                  const int64_t* slot, void (*round)(const T*, F*, int64_t)) {
   const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_dim = key.size(2);
   const int64_t block_size = k_cache.size(1);
   const scalar_t* k_src = key.data_ptr<scalar_t>();
   const scalar_t* v_src = value.data_ptr<scalar_t>();
-  auto* k_dst = static_cast<mini_infer::fp8e5m2_t*>(k_cache.data_ptr());
-  auto* v_dst = static_cast<mini_infer::fp8e5m2_t*>(v_cache.data_ptr());
+  auto* k_dst = static_cast<F*>(k_cache.data_ptr());
+  auto* v_dst = static_cast<F*>(v_cache.data_ptr());
   for (int64_t t = 0; t < num_tokens; ++t) {
     if (slot[t] < 0) continue;
     const int64_t cache_row = slot[t] / block_size * k_cache.stride(0) + slot[t] % block_size * k_cache.stride(1);
@@ -460,11 +467,22 @@ void store_kv_e5m2(const torch::Tensor& key, const torch::Tensor& value, torch::
   }
 }
 
+// store_kv_fp8 by the keys' dtype, with the rounding kernels of one fp8 format.
+template <class F>
+void store_kv_fp8_as(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache,
+                     torch::Tensor& v_cache, const int64_t* slot, const mini_infer::Fp8Kernels<F>& fp8) {
+  switch (key.scalar_type()) {
+    case torch::kFloat32: return store_kv_fp8<float>(key, value, k_cache, v_cache, slot, fp8.from_f32);
+    case torch::kBFloat16: return store_kv_fp8<c10::BFloat16>(key, value, k_cache, v_cache, slot, fp8.from_bf16);
+    default: return store_kv_fp8<c10::Half>(key, value, k_cache, v_cache, slot, fp8.from_f16);
+  }
+}
+
 }  // namespace
 
 // Writes each token's key and value rows into its cache slot: kernels/reference.py's store_kv.
 // key, value: [num_tokens, num_kv_heads, head_dim] in the caches' dtype (or fp32, bf16 or fp16
-// into float8_e5m2 caches, rounded as torch's conversion), any strides with head_dim
+// into float8_e5m2 or float8_e4m3fn caches, rounded as kv_store.h's to_fp8), any strides with head_dim
 // contiguous; slot_mapping: [num_tokens] int64, flat slot per token, -1 skips one. Every slot
 // is checked before anything is written. `isa` ("auto" or a name) rounds to fp8.
 void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache, torch::Tensor& v_cache,
@@ -479,13 +497,13 @@ void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3),
               "store_kv: key [T, ", key.size(1), ", ", key.size(2), "] does not fit cache rows [", k_cache.size(2),
               ", ", k_cache.size(3), "]");
-  const bool e5m2_cache = k_cache.scalar_type() == torch::kFloat8_e5m2;
+  const bool fp8_cache = is_fp8(k_cache.scalar_type());
   TORCH_CHECK(value.scalar_type() == key.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
                   (key.scalar_type() == k_cache.scalar_type() ||
-                   (e5m2_cache && (key.scalar_type() == torch::kFloat32 || key.scalar_type() == torch::kBFloat16 ||
-                                   key.scalar_type() == torch::kHalf))),
-              "store_kv: key, value and caches must share a dtype, or the caches be float8_e5m2 and key and "
-              "value fp32, bf16 or fp16; got key ", key.scalar_type(), ", value ", value.scalar_type(),
+                   (fp8_cache && (key.scalar_type() == torch::kFloat32 || key.scalar_type() == torch::kBFloat16 ||
+                                  key.scalar_type() == torch::kHalf))),
+              "store_kv: key, value and caches must share a dtype, or the caches be float8_e5m2 or float8_e4m3fn "
+              "and key and value fp32, bf16 or fp16; got key ", key.scalar_type(), ", value ", value.scalar_type(),
               ", caches ", k_cache.scalar_type(), " and ", v_cache.scalar_type());
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && k_cache.stride(3) == 1,
               "store_kv: head_dim must be contiguous");
@@ -499,14 +517,10 @@ void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   for (int64_t t = 0; t < num_tokens; ++t)
     TORCH_CHECK(slot[t] >= -1 && slot[t] < num_slots, "store_kv: slot_mapping[", t, "] = ", slot[t],
                 " is outside the cache's ", num_slots, " slots");
-  if (e5m2_cache && key.scalar_type() != k_cache.scalar_type()) {  // rounded by the `isa` kernels
+  if (fp8_cache && key.scalar_type() != k_cache.scalar_type()) {  // rounded by the `isa` kernels
     const IsaKernels& kernels = select_kernels(isa, 0, "store_kv");
-    switch (key.scalar_type()) {
-      case torch::kFloat32: return store_kv_e5m2<float>(key, value, k_cache, v_cache, slot, kernels.to_e5m2_f32);
-      case torch::kBFloat16:
-        return store_kv_e5m2<c10::BFloat16>(key, value, k_cache, v_cache, slot, kernels.to_e5m2_bf16);
-      default: return store_kv_e5m2<c10::Half>(key, value, k_cache, v_cache, slot, kernels.to_e5m2_f16);
-    }
+    if (k_cache.scalar_type() == torch::kFloat8_e5m2) return store_kv_fp8_as(key, value, k_cache, v_cache, slot, kernels.e5m2);
+    return store_kv_fp8_as(key, value, k_cache, v_cache, slot, kernels.e4m3);
   }
   const int64_t element = key.element_size(), row_bytes = key.size(2) * element;
   const char* k_src = static_cast<const char*>(key.data_ptr());

@@ -16,21 +16,33 @@ inline vfloat vload(const fp8e5m2_t* p) {  // e5m2 is the top byte of an fp16
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
 }
+inline vfloat vload(const fp8e4m3_t* p) {  // as e4m3_to_scaled_fp16_bits, times 2^8; NaN kept
+  const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i half = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(bytes, 8), 1), _mm_set1_epi16(0xbfff));
+  const __m256 x = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f));
+  const __m256 nan = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), x), _mm256_set1_ps(480.f), _CMP_EQ_OQ);
+  return _mm256_blendv_ps(x, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan);
+}
 inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
-// To fp8 E5M2, rounding to nearest even as float_to_e5m2_bits (attention_kernels.cpp), 8 lanes.
-// (Signed compares: magnitudes are below 2^31.)
-inline void vstore(fp8e5m2_t* p, vfloat v) {
+// To fp8 format F, as fp8_bits (attention_kernels.cpp), 8 lanes. (Signed compares:
+// magnitudes are below 2^31.)
+template <class F>
+inline void vstore_fp8(F* p, vfloat v) {
+  using Format = Fp8Format<F>;
+  constexpr int kDrop = 23 - Format::kMantissaBits;
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
   const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
-  const __m256i rebiased = _mm256_sub_epi32(magnitude, _mm256_set1_epi32((127 - 15) << 23));
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(rebiased, 21), _mm256_set1_epi32(1));
-  __m256i out = _mm256_srli_epi32(_mm256_add_epi32(rebiased, _mm256_add_epi32(odd, _mm256_set1_epi32(0xfffff))), 21);
-  const __m256i steps = _mm256_cvtps_epi32(  // the default rounding mode: nearest even
-      _mm256_mul_ps(_mm256_castsi256_ps(magnitude), _mm256_set1_ps(65536.f)));
-  out = _mm256_blendv_epi8(out, steps, _mm256_cmpgt_epi32(_mm256_set1_epi32((127 - 14) << 23), magnitude));
-  out = _mm256_blendv_epi8(out, _mm256_set1_epi32(0x7c),
-                           _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(((127 + 16) << 23) - 1)));
+  const __m256i rebiased = _mm256_sub_epi32(magnitude, _mm256_set1_epi32((127 - Format::kBias) << 23));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(rebiased, kDrop), _mm256_set1_epi32(1));
+  __m256i out = _mm256_srli_epi32(
+      _mm256_add_epi32(rebiased, _mm256_add_epi32(odd, _mm256_set1_epi32((1 << (kDrop - 1)) - 1))), kDrop);
+  const __m256i steps = _mm256_cvtps_epi32(  // subnormal: |x| / the smallest step, nearest even
+      _mm256_mul_ps(_mm256_castsi256_ps(magnitude),
+                    _mm256_set1_ps(static_cast<float>(1u << (Format::kBias - 1 + Format::kMantissaBits)))));
+  out = _mm256_blendv_epi8(out, steps, _mm256_cmpgt_epi32(_mm256_set1_epi32((128 - Format::kBias) << 23), magnitude));
+  out = _mm256_blendv_epi8(out, _mm256_set1_epi32(Format::kOverflowBits),
+                           _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(Format::kOverflowFrom - 1)));
   out = _mm256_blendv_epi8(out, _mm256_set1_epi32(0x7f), _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000)));
   // byte 0 of each lane: the four of each 128-bit half into its first four bytes
   const __m256i first_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
@@ -40,6 +52,8 @@ inline void vstore(fp8e5m2_t* p, vfloat v) {
   std::memcpy(p, &low, 4);
   std::memcpy(reinterpret_cast<uint8_t*>(p) + 4, &high, 4);
 }
+inline void vstore(fp8e5m2_t* p, vfloat v) { vstore_fp8(p, v); }
+inline void vstore(fp8e4m3_t* p, vfloat v) { vstore_fp8(p, v); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }

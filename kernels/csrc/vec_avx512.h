@@ -16,24 +16,41 @@ inline vfloat vload(const fp8e5m2_t* p) {  // e5m2 is the top byte of an fp16
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8));
 }
+inline vfloat vload(const fp8e4m3_t* p) {  // as e4m3_to_scaled_fp16_bits, times 2^8; NaN kept
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  // byte << 8, then one arithmetic step down: the sign fills bits 15 and 14, bit 14 cleared
+  const __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 1), _mm256_set1_epi16(0xbfff));
+  const __m512 x = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f));
+  return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(480.f), _CMP_EQ_OQ),
+                            _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
 inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
-// To fp8 E5M2, rounding to nearest even as float_to_e5m2_bits (attention_kernels.cpp), 16 lanes.
-inline void vstore(fp8e5m2_t* p, vfloat v) {
+// To fp8 format F, as fp8_bits (attention_kernels.cpp), 16 lanes.
+template <class F>
+inline void vstore_fp8(F* p, vfloat v) {
+  using Format = Fp8Format<F>;
+  constexpr int kDrop = 23 - Format::kMantissaBits;
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
   const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
-  const __m512i rebiased = _mm512_sub_epi32(magnitude, _mm512_set1_epi32((127 - 15) << 23));
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(rebiased, 21), _mm512_set1_epi32(1));
-  __m512i out = _mm512_srli_epi32(_mm512_add_epi32(rebiased, _mm512_add_epi32(odd, _mm512_set1_epi32(0xfffff))), 21);
-  const __m512i steps = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(magnitude), _mm512_set1_ps(65536.f)),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  out = _mm512_mask_mov_epi32(out, _mm512_cmplt_epu32_mask(magnitude, _mm512_set1_epi32((127 - 14) << 23)), steps);
-  out = _mm512_mask_mov_epi32(out, _mm512_cmpge_epu32_mask(magnitude, _mm512_set1_epi32((127 + 16) << 23)),
-                              _mm512_set1_epi32(0x7c));
+  const __m512i rebiased = _mm512_sub_epi32(magnitude, _mm512_set1_epi32((127 - Format::kBias) << 23));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(rebiased, kDrop), _mm512_set1_epi32(1));
+  __m512i out = _mm512_srli_epi32(
+      _mm512_add_epi32(rebiased, _mm512_add_epi32(odd, _mm512_set1_epi32((1 << (kDrop - 1)) - 1))), kDrop);
+  const __m512i steps = _mm512_cvt_roundps_epi32(  // subnormal: |x| / the smallest step
+      _mm512_mul_ps(_mm512_castsi512_ps(magnitude),
+                    _mm512_set1_ps(static_cast<float>(1u << (Format::kBias - 1 + Format::kMantissaBits)))),
+      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  out = _mm512_mask_mov_epi32(out, _mm512_cmplt_epu32_mask(magnitude, _mm512_set1_epi32((128 - Format::kBias) << 23)),
+                              steps);
+  out = _mm512_mask_mov_epi32(out, _mm512_cmpge_epu32_mask(magnitude, _mm512_set1_epi32(Format::kOverflowFrom)),
+                              _mm512_set1_epi32(Format::kOverflowBits));
   out = _mm512_mask_mov_epi32(out, _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f800000)),
                               _mm512_set1_epi32(0x7f));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_or_si512(out, sign)));
 }
+inline void vstore(fp8e5m2_t* p, vfloat v) { vstore_fp8(p, v); }
+inline void vstore(fp8e4m3_t* p, vfloat v) { vstore_fp8(p, v); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }

@@ -11,8 +11,13 @@ inline vfloat vload(const float* p) { return *p; }
 inline vfloat vload(const bf16_t* p) { return bf16_to_float(p->bits); }
 inline vfloat vload(const fp16_t* p) { return fp16_to_float(p->bits); }
 inline vfloat vload(const fp8e5m2_t* p) { return fp16_to_float(static_cast<uint16_t>(p->bits << 8)); }
+inline vfloat vload(const fp8e4m3_t* p) {
+  if ((p->bits & 0x7f) == 0x7f) return std::numeric_limits<float>::quiet_NaN();
+  return fp16_to_float(e4m3_to_scaled_fp16_bits(p->bits)) * 256.f;
+}
 inline void vstore(float* p, vfloat v) { *p = v; }
-inline void vstore(fp8e5m2_t* p, vfloat v) { p->bits = float_to_e5m2_bits(v); }
+inline void vstore(fp8e5m2_t* p, vfloat v) { p->bits = fp8_bits<fp8e5m2_t>(v); }
+inline void vstore(fp8e4m3_t* p, vfloat v) { p->bits = fp8_bits<fp8e4m3_t>(v); }
 inline vfloat vadd(vfloat a, vfloat b) { return a + b; }
 inline vfloat vsub(vfloat a, vfloat b) { return a - b; }
 inline vfloat vmul(vfloat a, vfloat b) { return a * b; }

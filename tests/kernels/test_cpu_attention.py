@@ -64,24 +64,45 @@ def test_every_isa_matches_reference(isa, shape_id, dtype):
     _assert_matches(cpu_attention.paged_attention(*batch.args(), isa=isa), expected)
 
 
-# kv_cache_dtype="fp8_e5m2": the caches hold fp8, widened to fp32 as the kernels read them; the
-# reference widens them to the query's dtype (exactly) and computes as before.
+# kv_cache_dtype "fp8_e5m2" / "fp8_e4m3": the caches hold fp8, widened to fp32 as the kernels
+# read them; the reference widens them to the query's dtype (exactly) and computes as before.
 FP8_SHAPES = ["decode-g3-d64-b16", "decode-g7-d128-b32", "prompts-g1-d64-b16", "chunks-g7-d64-b16",
               "mixed-g1-d80-b16", "many-decodes-g3-d64-b16", "decode-g4-d128-kv8-b16"]
+FP8 = [torch.float8_e5m2, torch.float8_e4m3fn]
+FP8_IDS = ["e5m2", "e4m3"]
 
 
+@pytest.mark.parametrize("cache_dtype", FP8, ids=FP8_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("shape_id", FP8_SHAPES)
 @pytest.mark.parametrize("isa", ISAS)
-def test_every_isa_matches_reference_over_an_fp8_e5m2_cache(isa, shape_id, dtype):
+def test_every_isa_matches_reference_over_an_fp8_cache(isa, shape_id, dtype, cache_dtype):
     seqs, num_heads, num_kv_heads, head_dim, block_size = SHAPES[shape_id]
     batch = make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=len(seqs),
-                       cache_dtype=torch.float8_e5m2)
-    assert batch.k_cache.dtype == torch.float8_e5m2
+                       cache_dtype=cache_dtype)
+    assert batch.k_cache.dtype == cache_dtype
     expected = reference.paged_attention(*batch.args())
     _assert_matches(cpu_attention.paged_attention(*batch.args(), isa=isa), expected)
     if shape_id.startswith("decode"):
         _assert_matches(cpu_attention.paged_attention(*batch.args(), isa=isa, num_splits=3), expected)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_fp8_value_widens_exactly(isa):
+    """All 256 bit patterns of each fp8 format as a one-token cache read by a one-hot query:
+    attention over a single key returns its value row, so the output is each value widened
+    to fp32, NaN (and E5M2's infinities) included, as torch widens it."""
+    for cache_dtype in FP8:
+        every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(cache_dtype).view(4, 1, 1, 64)
+        v_cache = every.clone()
+        k_cache = torch.zeros_like(every)
+        query = torch.zeros(4, 1, 64)
+        out = cpu_attention.paged_attention(query, k_cache, v_cache, torch.arange(4, dtype=torch.int32).view(4, 1),
+                                            torch.arange(5, dtype=torch.int32), torch.ones(4, dtype=torch.int32),
+                                            0.125, isa=isa)
+        want = every.view(4, 1, 64).float()
+        assert torch.equal(out.isnan(), want.isnan()), (isa, cache_dtype)
+        assert torch.equal(out.nan_to_num(0.0), want.nan_to_num(0.0)), (isa, cache_dtype)
 
 
 @pytest.mark.parametrize("num_splits", [2, 5])
@@ -104,7 +125,7 @@ LONG_SHAPES = {"long-chunks-g3-d64-b16": (LONG_CHUNKS, 9, 3, 64, 16),
 
 
 @pytest.mark.parametrize("prefill", ["sdpa", "tiles"])
-@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e5m2], ids=["cache-as-query", "cache-fp8_e5m2"])
+@pytest.mark.parametrize("cache_dtype", [None, *FP8], ids=["cache-as-query", *FP8_IDS])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("shape_id", LONG_SHAPES)
 def test_long_prefill_chunks_match_reference_either_way(shape_id, dtype, cache_dtype, prefill):
@@ -262,7 +283,7 @@ def test_the_kernel_releases_the_gil():
     assert len(inside) >= 10, f"{len(inside)} samples inside calls of {[round(1000 * (e - b)) for b, e in span]} ms"
 
 
-@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e5m2], ids=["cache-as-key", "cache-fp8_e5m2"])
+@pytest.mark.parametrize("cache_dtype", [None, *FP8], ids=["cache-as-key", *FP8_IDS])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kv_writes_what_the_reference_writes(dtype, cache_dtype):
     torch.manual_seed(0)
@@ -275,50 +296,47 @@ def test_store_kv_writes_what_the_reference_writes(dtype, cache_dtype):
     ours, theirs = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
     kernels.store_kv(key, value, *ours, slots, backend="cpu")
     reference.store_kv(key, value, *theirs, slots)
-    bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e5m2 else t  # noqa: E731
+    bits = lambda t: t.view(torch.uint8) if t.dtype in FP8 else t  # noqa: E731
     assert torch.equal(bits(ours[0]), bits(theirs[0])) and torch.equal(bits(ours[1]), bits(theirs[1]))
     assert not torch.equal(bits(ours[0]), bits(k_cache))
     assert torch.equal(bits(ours[0].view(-1, 3, 64)[slots[0]]), bits(key[0].to(k_cache.dtype)))
 
 
+@pytest.mark.parametrize("cache_dtype", FP8, ids=FP8_IDS)
 @pytest.mark.parametrize("head_dim", [64, 72])
 @pytest.mark.parametrize("isa", ISAS)
-def test_store_kv_rounds_to_fp8_e5m2_as_torch_does(isa, head_dim):
-    """Every bf16 value (NaN, infinities, subnormals included), fp32 values at and around
-    E5M2's rounding ties and its largest finite value (57,344; 61,440 and up become infinity),
-    and random fp32 and fp16 values over E5M2's range, through each instruction set's vectors
-    (and, at head_dim 72, the last 8 of each row one by one on AVX-512): the bits torch's
-    ``Tensor.to`` gives."""
+def test_store_kv_rounds_to_fp8_as_the_reference_does(isa, head_dim, cache_dtype):
+    """Every bf16 value (NaN, infinities, subnormals included), fp32 values at and around the
+    rounding ties, the largest finite values (E5M2: 57,344, and 61,440 up becoming infinity;
+    E4M3: 448, and anything larger saturating there), and random fp32 and fp16 values over
+    the formats' ranges, through each instruction set's vectors (and, at head_dim 72, the
+    last 8 of each row one by one on AVX-512): the reference's bits (``Tensor.to``, after
+    clamping to +-448 for E4M3)."""
     def stored(x):
         rows = torch.cat([x.flatten(), x.new_zeros(-x.numel() % head_dim)]).view(-1, 1, head_dim)
-        k_cache = torch.zeros(rows.shape[0], 1, 1, head_dim, dtype=torch.float8_e5m2)
+        k_cache = torch.zeros(rows.shape[0], 1, 1, head_dim, dtype=cache_dtype)
         v_cache = torch.zeros_like(k_cache)
         cpu_attention.store_kv(rows, -rows, k_cache, v_cache, torch.arange(rows.shape[0]), isa=isa)
         n = x.numel()
         return k_cache.view(torch.uint8).flatten()[:n], v_cache.view(torch.uint8).flatten()[:n]
 
+    def expected(x):
+        k_cache = torch.zeros(x.numel(), 1, 1, 1, dtype=cache_dtype)
+        reference.store_kv(x.reshape(-1, 1, 1), x.reshape(-1, 1, 1), k_cache, k_cache.clone(), torch.arange(x.numel()))
+        return k_cache.view(torch.uint8).flatten()
+
     every_bf16 = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    ties = torch.tensor([i * 2.0**-18 for i in range(80)] + [m * 2.0**e for e in (-14, -3, 0, 7, 15)
-                                                              for m in (1.125, 1.375, 1.625, 1.875, 1.1249999)]
-                        + [57344., 59392., 61439.996, 61440., 65535., 65536., 1e30])
+    ties = torch.tensor([i * 2.0**-18 for i in range(80)] + [i * 2.0**-11 for i in range(40)]
+                        + [m * 2.0**e for e in (-14, -6, -3, 0, 7, 8, 15)
+                           for m in (1.0625, 1.125, 1.1875, 1.375, 1.625, 1.875, 1.9375, 1.1249999)]
+                        + [440., 448., 456., 463.99, 464., 465., 480., 57344., 59392., 61439.996, 61440., 65535.,
+                           65536., 1e30, float("inf")])
     generator = torch.Generator().manual_seed(0)
     spread = torch.randn(64, 1000, generator=generator) * torch.logspace(-7, 5, 64)[:, None]
     for x in (every_bf16, ties, -ties, spread, spread.half()):
         k, v = stored(x)
-        assert torch.equal(k, x.flatten().to(torch.float8_e5m2).view(torch.uint8)), x.dtype
-        assert torch.equal(v, (-x).flatten().to(torch.float8_e5m2).view(torch.uint8)), x.dtype
-
-
-def test_store_kv_refuses_a_slot_outside_the_cache_and_writes_nothing():
-    k_cache, v_cache = torch.zeros(2, 4, 16, 3, 64).unbind(0)
-    key = torch.ones(3, 3, 64)
-    with pytest.raises(RuntimeError, match=r"slot_mapping\[2\] = 64 is outside the cache's 64 slots"):
-        cpu_attention.store_kv(key, key, k_cache, v_cache, torch.tensor([0, 5, 64]))
-    assert not k_cache.any() and not v_cache.any()
-    with pytest.raises(RuntimeError, match=r"key \[T, 2, 64\] does not fit cache rows \[3, 64\]"):
-        cpu_attention.store_kv(torch.ones(3, 2, 64), torch.ones(3, 2, 64), k_cache, v_cache, torch.tensor([0, 1, 2]))
-    with pytest.raises(RuntimeError, match="must share a dtype"):
-        cpu_attention.store_kv(key.bfloat16(), key.bfloat16(), k_cache, v_cache, torch.tensor([0, 1, 2]))
+        assert torch.equal(k, expected(x)), (x.dtype, (k != expected(x)).nonzero()[:5])
+        assert torch.equal(v, expected(-x)), x.dtype
 
 
 def test_argmax_rows_is_torch_argmax():
