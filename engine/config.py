@@ -21,7 +21,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", *BACKENDS)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
-KV_CACHE_DTYPES = ("auto", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def setting(default: Any, help: str, choices: tuple | None = None) -> Any:  # noqa: A002
@@ -59,9 +59,10 @@ class CacheConfig:
         "tokens (automatic prefix caching, as vLLM's setting of the same name).")
     kv_cache_dtype: str = setting(
         "auto", "KV cache element type, as vLLM's setting of the same name: auto = the model's "
-        "dtype; fp8_e5m2 = 8-bit floats (5 exponent, 2 mantissa bits), rounded to nearest on "
-        "store and widened exactly on read: half a bf16 cache's memory, so twice the blocks, "
-        "at the cost of precision. CPU and torch attention backends only.", KV_CACHE_DTYPES)
+        "dtype; fp8 = fp8_e4m3 = 8-bit floats with 4 exponent and 3 mantissa bits (values "
+        "saturate at +-448); fp8_e5m2 = 5 exponent and 2 mantissa bits (coarser). Rounded to "
+        "nearest on store, widened exactly on read: half a bf16 cache's memory, so twice the "
+        "blocks, at the cost of precision. CPU and torch attention backends only.", KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         _check_choice(self, "block_size")
@@ -111,7 +112,8 @@ class EngineConfig:
 
     model: str = setting(DEFAULT_MODEL, "Model spec: a name, a .gguf path, a transformers "
                          "directory or dummy:<shape> (see engine.loader).")
-    dtype: str = setting("auto", "Weights and KV cache dtype; auto = bfloat16 on CUDA from Ampere "
+    dtype: str = setting("auto", "Weights' and activations' dtype (and the KV cache's with kv_cache_dtype "
+                         "auto); auto = bfloat16 on CUDA from Ampere "
                          "(compute capability 8.0) on and on CPUs with native bf16 matrix units, "
                          "float16 on older GPUs, float32 elsewhere.", DTYPES)
     device: str = setting("auto", "Where the engine runs; auto = CUDA if available.", DEVICES)

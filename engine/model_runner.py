@@ -409,8 +409,10 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, backend: str
     """The KV cache's element type for the ``kv_cache_dtype`` setting.
 
     Args:
-        kv_cache_dtype: ``"auto"`` (``dtype``) or ``"fp8_e5m2"`` (``torch.float8_e5m2``: the
-            new K/V rounded to it as they are stored, widened exactly as attention reads them).
+        kv_cache_dtype: ``"auto"`` (``dtype``), ``"fp8"`` or ``"fp8_e4m3"``
+            (``torch.float8_e4m3fn``, saturating at +-448), or ``"fp8_e5m2"``
+            (``torch.float8_e5m2``): the new K/V rounded to it as they are stored
+            (``kernels.reference.store_kv``), widened exactly as attention reads them.
         dtype: the model's dtype.
         backend: the attention backend (``kernels.resolve_backend``'s answer).
 
@@ -423,7 +425,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, backend: str
     if backend == "triton":
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} needs attention_backend 'cpu' or 'torch'; "
                          "the Triton kernels read caches of the model's dtype only")
-    return torch.float8_e5m2
+    return torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn
 
 
 def build_host_batch(scheduled: list[ScheduledRequest], block_size: int) -> HostBatch:

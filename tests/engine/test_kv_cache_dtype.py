@@ -1,7 +1,8 @@
-"""``kv_cache_dtype="fp8_e5m2"``: a KV cache of 8-bit floats. The same memory holds exactly
-twice a bf16 cache's blocks (four times an fp32 one's), the new K/V are stored rounded as
-torch rounds them, both CPU backends read them, other settings are refused with the field's
-name, and the Triton backend, which cannot read them, refuses them at start."""
+"""``kv_cache_dtype`` "fp8_e4m3" ("fp8") and "fp8_e5m2": a KV cache of 8-bit floats. The same
+memory holds exactly twice a bf16 cache's blocks (four times an fp32 one's), the new K/V are
+stored rounded as the reference rounds them, both CPU backends read them, other settings are
+refused with the field's name, and the Triton backend, which cannot read them, refuses them
+at start."""
 from __future__ import annotations
 
 import pytest
@@ -25,6 +26,8 @@ MEMORY_GB = 0.01  # 10,737,418 bytes
     ("bfloat16", "auto", torch.bfloat16, 29),  # // (2 * 184,320)
     ("bfloat16", "fp8_e5m2", torch.float8_e5m2, 58),  # // 184,320
     ("float32", "fp8_e5m2", torch.float8_e5m2, 58),
+    ("bfloat16", "fp8_e4m3", torch.float8_e4m3fn, 58),
+    ("bfloat16", "fp8", torch.float8_e4m3fn, 58),  # vLLM's "fp8" is E4M3
 ])
 def test_the_same_memory_holds_blocks_by_the_cache_element_size(dtype, kv_cache_dtype, cache_dtype, num_blocks):
     llm = LLM(dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gb=MEMORY_GB, enforce_eager=True)
@@ -36,19 +39,21 @@ def test_the_same_memory_holds_blocks_by_the_cache_element_size(dtype, kv_cache_
 
 
 def test_other_cache_dtypes_and_the_triton_backend_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8_e5m2'\); got 'fp8'"):
-        EngineConfig.from_kwargs(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'\); "
+                                         r"got 'fp8_e4m3fnuz'"):
+        EngineConfig.from_kwargs(kv_cache_dtype="fp8_e4m3fnuz")
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2' needs attention_backend 'cpu' or 'torch'"):
         resolve_kv_cache_dtype("fp8_e5m2", torch.bfloat16, "triton")
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, "triton") == torch.bfloat16
     assert resolve_kv_cache_dtype("fp8_e5m2", torch.float32, "cpu") == torch.float8_e5m2
+    assert resolve_kv_cache_dtype("fp8", torch.bfloat16, "torch") == torch.float8_e4m3fn
 
 
-@pytest.fixture(scope="module")
-def fp8_engines():
-    """fp32 engines over fp8 caches, one per CPU backend."""
+@pytest.fixture(scope="module", params=["fp8_e4m3", "fp8_e5m2"])
+def fp8_engines(request):
+    """fp32 engines over fp8 caches of one format, one per CPU backend."""
     backends = ["torch"] + (["cpu"] if cpu_attention.is_available() else [])
-    return {b: LLM(dtype="float32", kv_cache_dtype="fp8_e5m2", attention_backend=b, num_gpu_blocks=96)
+    return {b: LLM(dtype="float32", kv_cache_dtype=request.param, attention_backend=b, num_gpu_blocks=96)
             for b in backends}
 
 
@@ -75,6 +80,7 @@ def test_the_cache_holds_the_models_keys_rounded_to_fp8(fp8_engines, mixed_promp
     finally:
         del attention.attend
     k_cache, v_cache = runner.kv_caches[-1]
+    assert k_cache.dtype == runner.kv_cache_dtype
     want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     reference.store_kv(captured["k"], captured["v"], want_k, want_v, captured["slots"])
     slots = captured["slots"]
