@@ -7,7 +7,8 @@ without shutting Serve down; only SIGINT takes ``serve run``'s own path (``serve
 then Ray's). This runs ``serve run`` in a session of its own and turns every SIGTERM or SIGINT
 it receives into one SIGINT for ``serve run``; so a terminal's Ctrl-C also reaches only the
 driver, not Ray's processes, which the driver stops in order. Exits with ``serve run``'s
-status. Standard library only: it starts in a blink and imports neither Ray nor torch.
+status, or 2 where ``check_settings`` finds a ``MINI_INFER_*`` setting invalid. Standard library
+only: it starts in a blink and imports neither Ray nor torch.
 
 It also sets ``RAY_SERVE_PROXY_USE_GRPC=1`` unless the environment sets it: Serve's HTTP proxy
 then passes requests and their streamed responses to the ingress over Serve's interdeployment
@@ -24,8 +25,43 @@ import signal
 import subprocess
 import sys
 
+# AppConfig.load() in a Python of its own, app/config.py loaded without the app package (which
+# imports Ray): each invalid setting one line on stderr naming its variable, exit status 2.
+_CHECK_SETTINGS = r"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("_mini_infer_app_config", "app/config.py")
+config = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = config
+spec.loader.exec_module(config)
+import pydantic
+try:
+    config.AppConfig.load()
+except pydantic.ValidationError as exc:
+    for error in exc.errors():
+        where = f"{config.ENV_PREFIX}{str(error['loc'][0]).upper()}={error['input']!r}" if error["loc"] else "settings"
+        print(f"{where}: {error['msg'].removeprefix('Value error, ')}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def check_settings(argv: list[str]) -> bool:
+    """For ``serve run app:deployment`` (settings from ``MINI_INFER_*`` variables, in the
+    current directory's ``app``): whether they are valid, checked before Ray starts. An invalid
+    one is printed as one line naming its variable and value (``MINI_INFER_KV_CACHE_DTYPE='x':
+    Input should be 'auto', ...``); inside ``serve run`` it would be ~40 lines of traceback
+    from Ray's import of the application. True for other targets, or where the check itself
+    cannot run (``serve run`` then reports what it finds)."""
+    if not argv or argv[0] != "app:deployment" or not os.path.isfile(os.path.join("app", "config.py")):
+        return True
+    try:
+        return subprocess.run([sys.executable, "-c", _CHECK_SETTINGS], timeout=120).returncode != 2
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+
 
 def main(argv: list[str]) -> int:
+    if not check_settings(argv):
+        return 2
     serve = os.path.join(os.path.dirname(sys.executable), "serve")
     # A process started in the background by a non-interactive shell (`make run &`) inherits
     # SIGINT ignored, and Python keeps an ignored SIGINT ignored: ``serve run`` would then

@@ -1,7 +1,8 @@
 """``scripts/serve_run.py`` (``make run``'s command) turns SIGTERM into one SIGINT for ``serve
 run``, also when it was started with SIGINT ignored (in the background of a non-interactive
 shell). A stand-in ``serve`` beside the Python that runs the wrapper records what it gets, so
-no Ray is started."""
+no Ray is started. And an invalid ``MINI_INFER_*`` setting stops it before ``serve run``, with
+one line naming the variable."""
 import os
 import signal
 import subprocess
@@ -9,7 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-WRAPPER = Path(__file__).resolve().parents[1] / "scripts" / "serve_run.py"
+ROOT = Path(__file__).resolve().parents[1]
+WRAPPER = ROOT / "scripts" / "serve_run.py"
 
 FAKE_SERVE = textwrap.dedent(f"""\
     #!{sys.executable}
@@ -24,7 +26,7 @@ FAKE_SERVE = textwrap.dedent(f"""\
 """)
 
 
-def _start(tmp_path: Path, ignore_sigint: bool, env: dict | None = None) -> subprocess.Popen:
+def _start(tmp_path: Path, ignore_sigint: bool, env: dict | None = None, stderr=None) -> subprocess.Popen:
     (tmp_path / "python").symlink_to(sys.executable)
     serve = tmp_path / "serve"
     serve.write_text(FAKE_SERVE)
@@ -35,7 +37,8 @@ def _start(tmp_path: Path, ignore_sigint: bool, env: dict | None = None) -> subp
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     return subprocess.Popen([str(tmp_path / "python"), str(WRAPPER), "app:deployment", "--port", "8123"],
-                            stdout=subprocess.PIPE, text=True, preexec_fn=before_exec, env=env)
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=before_exec, env=env,
+                            cwd=ROOT)
 
 
 def _stop_with_sigterm(wrapper: subprocess.Popen) -> tuple[int, list[str]]:
@@ -69,3 +72,20 @@ def test_the_environment_decides_the_proxys_transport(tmp_path):
 def test_sigterm_stops_serve_run_when_started_with_sigint_ignored(tmp_path):
     returncode, lines = _stop_with_sigterm(_start(tmp_path, ignore_sigint=True))
     assert lines[-1] == "KeyboardInterrupt: shutting down" and returncode == 3
+
+
+def test_an_invalid_setting_is_one_line_naming_its_variable_and_no_serve_run(tmp_path):
+    env = {**os.environ, "MINI_INFER_KV_CACHE_DTYPE": "fp8_e4m3fnuz", "MINI_INFER_MAX_NUM_SEQS": "many"}
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    wrapper = _start(tmp_path / "a", ignore_sigint=False, env=env, stderr=subprocess.PIPE)
+    out, err = wrapper.communicate(timeout=60)
+    assert wrapper.returncode == 2 and out == ""  # the stand-in serve never ran
+    assert err.splitlines() == [
+        "MINI_INFER_KV_CACHE_DTYPE='fp8_e4m3fnuz': Input should be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2'",
+        "MINI_INFER_MAX_NUM_SEQS='many': Input should be a valid integer, unable to parse string as an integer"]
+    # A value the engine's own checks refuse (the model validator's ValueError)
+    env = {**os.environ, "MINI_INFER_MAX_NUM_SEQS": "64", "MINI_INFER_MAX_NUM_BATCHED_TOKENS": "32"}
+    wrapper = _start(tmp_path / "b", ignore_sigint=False, env=env, stderr=subprocess.PIPE)
+    out, err = wrapper.communicate(timeout=60)
+    assert wrapper.returncode == 2 and out == ""
+    assert err.startswith("settings: max_num_batched_tokens (32) must be >= max_num_seqs (64)")
