@@ -6,6 +6,7 @@ builds nothing."""
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import ray
@@ -72,13 +73,37 @@ GRPC_MAX_MESSAGE_BYTES = (1 << 31) - 1
 
 def engine_actor_options(config: AppConfig) -> dict:
     """Ray options of one engine replica: one GPU (``engine_wants_gpu``), else
-    ``engine_num_cpus`` CPUs, whose count its torch threads follow; in its environment, the
+    ``engine_num_cpus`` CPUs (by default the largest node's, shared among the replicas:
+    ``AppConfig.default_engine_num_cpus``), whose count its torch threads follow; in its environment, the
     OpenMP wait settings and the huge-pages setting before torch loads (``engine.threads``) and
     the largest request its gRPC server takes (``GRPC_MAX_MESSAGE_BYTES``)."""
-    resources = {"num_gpus": 1} if engine_wants_gpu(config.device) else {"num_cpus": config.engine_num_cpus}
+    if engine_wants_gpu(config.device):
+        resources = {"num_gpus": 1}
+    elif config.engine_num_cpus is not None:
+        resources = {"num_cpus": config.engine_num_cpus}
+    else:
+        resources = {"num_cpus": config.default_engine_num_cpus(largest_node_cpus())}
     env_vars = {**wait_policy_env(), **huge_pages_env(),
                 "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(GRPC_MAX_MESSAGE_BYTES)}
     return {**resources, "runtime_env": {"env_vars": env_vars}}
+
+
+def largest_node_cpus() -> float:
+    """The CPUs of the largest node an engine replica may be placed on, for the default of
+    ``engine_num_cpus``: read from the Ray cluster where this process is connected to one (a
+    Serve config file's application is built inside the cluster), else this machine's CPUs as
+    Ray counts them for a node it starts here (``serve run app:deployment`` imports the app
+    before it starts Ray): cgroup quotas and cpusets included (``ray._private.utils.get_num_cpus``),
+    else ``os.cpu_count()``."""
+    if ray.is_initialized():
+        cpus = [node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node.get("Alive")]
+        if cpus:
+            return float(max(cpus))
+    try:
+        from ray._private.utils import get_num_cpus  # Ray's own count; private, so guarded
+    except ImportError:
+        return float(os.cpu_count() or 1)
+    return float(get_num_cpus(override_docker_cpu_warning=True))
 
 
 def engine_wants_gpu(device: str) -> bool:
@@ -112,4 +137,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'app' has no attribute {name!r}")
 
 __all__ = ["AppConfig", "build_app", "deployment", "engine_actor_options", "engine_wants_gpu",
-           "request_router_config"]
+           "largest_node_cpus", "request_router_config"]

@@ -74,3 +74,40 @@ def test_queue_bounds_and_body_limit_follow_the_engine_settings():
     assert config.ingress_max_ongoing_requests == 3 * (2 + 1) + 1024
     assert config.max_body_bytes(max_model_len=8192) == 64 * 8192 + (1 << 20)
     assert AppConfig.load({"max_request_body_bytes": 1000}).max_body_bytes(8192) == 1000
+
+
+@pytest.mark.parametrize("settings,expected", [
+    ({}, 4.0),  # one replica: every CPU of the largest live node
+    ({"num_engine_replicas": 2}, 2.0), ({"num_engine_replicas": 3}, 1.0),
+    ({"num_engine_replicas": 5}, 1.0),  # at least 1
+    ({"engine_num_cpus": 0.5}, 0.5), ({"engine_num_cpus": 3, "num_engine_replicas": 2}, 3.0)])
+def test_engine_num_cpus_defaults_to_the_largest_nodes_cpus_shared_among_the_replicas(
+        monkeypatch, settings, expected):
+    import ray
+
+    import app
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 10.0})
+    monkeypatch.setattr(ray, "nodes", lambda: [
+        {"Alive": True, "Resources": {"CPU": 2.0}}, {"Alive": False, "Resources": {"CPU": 16.0}},
+        {"Alive": True, "Resources": {"CPU": 4.0, "node_b": 1.0}}])
+    assert app.largest_node_cpus() == 4.0
+    options = app.engine_actor_options(AppConfig.load({"device": "cpu", **settings}))
+    assert options["num_cpus"] == expected
+
+
+def test_outside_ray_the_default_counts_this_machines_cpus_as_ray_would(monkeypatch):
+    """``serve run app:deployment`` builds the app before it starts Ray on this machine: the
+    count is the one Ray will give that node (cgroup quotas and cpusets included)."""
+    import ray
+    import ray._private.utils
+
+    import app
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray._private.utils, "get_num_cpus", lambda **kwargs: 3)
+    assert app.largest_node_cpus() == 3.0
+    assert AppConfig.load({}).engine_num_cpus is None
+    assert app.engine_actor_options(AppConfig.load({"device": "cpu"}))["num_cpus"] == 3.0
+    assert app.engine_actor_options(AppConfig.load({"device": "cpu", "num_engine_replicas": 2}))["num_cpus"] == 1.0
