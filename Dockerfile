@@ -17,10 +17,13 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
-# RAY_SERVE_PROXY_USE_GRPC: Serve's proxy calls the ingress over gRPC (docs/DEPLOYMENT.md)
+# RAY_SERVE_PROXY_USE_GRPC: Serve's proxy calls the ingress over gRPC; the two RUN_ settings:
+# user code and handles' routing on each replica's own event loop (docs/DEPLOYMENT.md)
 ENV MINI_INFER_CACHE=/app/.model-cache \
     TORCH_EXTENSIONS_DIR=/app/.cache/torch_extensions \
     RAY_SERVE_PROXY_USE_GRPC=1 \
+    RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 \
+    RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 \
     PATH=/app/.venv/bin:$PATH
 
 COPY pyproject.toml Makefile README.md ./

@@ -17,6 +17,15 @@ gRPC transport instead of Ray actor calls, as the ingress calls the engine repli
 requests cross between Serve's processes"). Ray's processes inherit it where ``serve run``
 starts Ray itself; a cluster started with ``ray start`` needs it in ``ray start``'s
 environment.
+
+And Serve's two one-loop settings, unless the environment sets them:
+``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`` (a replica runs the deployment's code on its
+own event loop, not on a second loop in another thread) and
+``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`` (a handle routes on its caller's loop): two
+hand-offs between threads fewer for every streamed record, in the proxy, the ingress and the
+engine replica. They are two of the settings of Serve's own ``RAY_SERVE_THROUGHPUT_OPTIMIZED``
+mode. Measured: docs/PERFORMANCE.md, "A lone engine replica on every core, and Serve's
+one-loop settings".
 """
 from __future__ import annotations
 
@@ -44,6 +53,11 @@ except pydantic.ValidationError as exc:
 """
 
 
+# Serve's settings for make run, each unless the environment sets it (the module docstring).
+SERVE_DEFAULTS = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+                  "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
 def check_settings(argv: list[str]) -> bool:
     """For ``serve run app:deployment`` (settings from ``MINI_INFER_*`` variables, in the
     current directory's ``app``): whether they are valid, checked before Ray starts. An invalid
@@ -68,7 +82,7 @@ def main(argv: list[str]) -> int:
     # never see the SIGINT sent below. The child inherits SIG_DFL instead, so its Python
     # installs the KeyboardInterrupt handler that ``serve run``'s shutdown path needs.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    env = {"RAY_SERVE_PROXY_USE_GRPC": "1", **os.environ}
+    env = {**SERVE_DEFAULTS, **os.environ}
     child = subprocess.Popen([serve, "run", *argv], env=env, start_new_session=True)
 
     def stop(signum, frame) -> None:
