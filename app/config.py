@@ -106,8 +106,9 @@ class ServiceSettings(BaseModel):
         On a 2-core machine one replica reserves 2 CPUs and runs 2 threads; the proxy and the
         ingress reserve none, and ``engine.threads.FreeCpuThreads`` drops a thread while they
         (or anything else) need a core. Measured on an AMD EPYC with AVX512-BF16, w1_mixed's
-        first 32 requests at once through HTTP: 277-281 output tok/s with 1 CPU (one thread),
-        334-346 with 2 (docs/PERFORMANCE.md, "A lone engine replica on every core").
+        first 32 requests at once through HTTP: 277-290 output tok/s with 1 CPU (one thread),
+        312-351 with 2 (docs/PERFORMANCE.md, "A lone engine replica on every core, and Serve's
+        one-loop settings").
         """
         return float(max(1, math.floor(node_cpus / self.num_engine_replicas)))
 
