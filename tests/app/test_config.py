@@ -88,7 +88,6 @@ def test_engine_num_cpus_defaults_to_the_largest_nodes_cpus_shared_among_the_rep
     import app
 
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 10.0})
     monkeypatch.setattr(ray, "nodes", lambda: [
         {"Alive": True, "Resources": {"CPU": 2.0}}, {"Alive": False, "Resources": {"CPU": 16.0}},
         {"Alive": True, "Resources": {"CPU": 4.0, "node_b": 1.0}}])
