@@ -100,7 +100,7 @@ struct IsaKernels {
   const char* name;
   int64_t head_dim_multiple;  // head_dim must be a multiple of this (one vector)
   AttendFn attend_f32, attend_bf16, attend_f16;
-  bool whole_decode_tokens_f32;  // an fp32 decode token is one task of all its KV heads
+  bool whole_decode_tokens;  // a decode token is one task of all its KV heads (attend_decode)
   SiluAndMulFn silu_and_mul_bf16;
   Fp8Kernels<fp8e5m2_t> e5m2;
   Fp8Kernels<fp8e4m3_t> e4m3;

@@ -108,33 +108,39 @@ inline float to_float(fp16_t x) { return fp16_to_float(x.bits); }
 }  // namespace
 
 // An instruction set's IsaKernels: head_dim must be a multiple of its vector width.
-// `whole_f32`: whether fp32 decode tokens are whole tasks (cpu_attention.cpp: paged_attention).
-#define MINI_INFER_KERNEL_TABLE(isa, name, whole_f32) \
-  {name, isa::kLanes, &isa::attend<float>, &isa::attend<bf16_t>, &isa::attend<fp16_t>, whole_f32,                \
+// `whole`: whether decode tokens are whole tasks, of all their KV heads (cpu_attention.cpp:
+// paged_attention); the instruction sets that say so compile attend_decode
+// (MINI_INFER_DECODE_KERNEL), which takes every task of one query token.
+#define MINI_INFER_KERNEL_TABLE(isa, name, whole) \
+  {name, isa::kLanes, &isa::attend<float>, &isa::attend<bf16_t>, &isa::attend<fp16_t>, whole,                    \
    &isa::silu_and_mul_bf16, MINI_INFER_FP8_KERNELS(isa, fp8e5m2_t), MINI_INFER_FP8_KERNELS(isa, fp8e4m3_t)}
 #define MINI_INFER_FP8_KERNELS(isa, F)                                                                       \
   {&isa::attend<float, F>, &isa::attend<bf16_t, F>, &isa::attend<fp16_t, F>,                                \
    &isa::to_fp8<float, F>, &isa::to_fp8<bf16_t, F>, &isa::to_fp8<fp16_t, F>}
 
+#define MINI_INFER_DECODE_KERNEL
 namespace isa_scalar {
 #include "vec_scalar.h"
 #include "attention_tile.h"
 #include "activation.h"
 #include "kv_store.h"
 }  // namespace isa_scalar
-// The scalar kernels plan as AVX2 does (untimed): so that the tests run whole fp32 decode
-// tasks on every CPU.
+#undef MINI_INFER_DECODE_KERNEL
+// The scalar kernels plan and decode as AVX2 does (untimed): so that the tests run whole
+// decode tasks through attend_decode on every CPU.
 const IsaKernels kScalarKernels = MINI_INFER_KERNEL_TABLE(isa_scalar, "scalar", true);
 
 #ifdef MINI_INFER_X86_KERNELS
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#define MINI_INFER_DECODE_KERNEL
 namespace isa_avx2 {
 #include "vec_avx2.h"
 #include "attention_tile.h"
 #include "activation.h"
 #include "kv_store.h"
 }  // namespace isa_avx2
+#undef MINI_INFER_DECODE_KERNEL
 #pragma GCC pop_options
 
 #pragma GCC push_options

@@ -416,10 +416,177 @@ void attend_tiles(const AttentionProblem& p, const AttentionTask& t, const TaskB
 #endif
 }
 
+#ifdef MINI_INFER_DECODE_KERNEL
+// ---------------------------------------------------------------- decode: one query token
+//
+// A task of one query token (the GQA group of query rows of each of its KV heads) walks its
+// keys kDecodeChunk at a time, one softmax update per query row and chunk, with fewer
+// instructions per key than attend_tiles: a query row's scores of kLanes keys are a vector of
+// partial sums per key (each slice of the query loaded once for all of them, the keys' slices
+// as memory operands) and one add tree; each value row is read once per pass of kDecodeRows
+// query rows, whose kDecodeRows x kDecodeVectors accumulators stay in registers, and each
+// probability is broadcast once per pass (attend_tiles broadcasts it once per vector of
+// head_dim). While a chunk's values are summed, the same key rows of the next chunk are
+// prefetched, one key's rows (keys and values) a key, so that a few lines at a time are in
+// flight; a burst of a whole chunk's lines, or none, was slower. Only compile-time head_dims.
+// Zen 3 EPYC (AVX2), 2 threads, SmolLM2's heads, LLC flushed, against attend_tiles in turns:
+// docs/PERFORMANCE.md, "A decode kernel for AVX2".
+
+constexpr int kDecodeChunk = static_cast<int>(kMaxTileKeys);  // keys per softmax update
+constexpr int kDecodeRows = 3;     // query rows per pass over the values
+constexpr int kDecodeVectors = 4;  // vectors of head_dim per pass: 3 x 4 accumulators, 3
+                                   // probabilities and a value vector fill AVX2's 16 registers
+
+// scores[r] = scale * q . keys[r], r < kDecodeChunk (fp32 rows; a missing key a row of zeros).
+template <int64_t kHeadDim>
+void decode_scores(const float* q, const float* const* keys, float scale, float* scores) {
+#pragma GCC unroll 16
+  for (int k0 = 0; k0 < kDecodeChunk; k0 += kLanes) {
+    vfloat partial[kLanes];
+#pragma GCC unroll 16
+    for (int r = 0; r < kLanes; ++r) partial[r] = vzero();
+#pragma GCC unroll 16
+    for (int64_t d = 0; d < kHeadDim; d += kLanes) {
+      const vfloat qd = vload(q + d);
+#pragma GCC unroll 16
+      for (int r = 0; r < kLanes; ++r) partial[r] = vfma(qd, vload(keys[k0 + r] + d), partial[r]);
+    }
+    vstore(scores + k0, vmul(vreduce_rows(partial), vset1(scale)));
+  }
+}
+
+// The online softmax (as softmax_update) of one query row over a chunk of n keys, all visible
+// (a decode token sees its whole context): scores become probabilities in place, 0 past n.
+inline void decode_softmax(float* scores, int n, float& row_max, float& row_sum, float& alpha) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  vfloat x[kDecodeChunk / kLanes];
+  vfloat top_lanes = vset1(neg_inf);
+#pragma GCC unroll 16
+  for (int v = 0; v < kDecodeChunk / kLanes; ++v) {
+    x[v] = vkeep_first(vload(scores + v * kLanes), n - v * kLanes, neg_inf);
+    top_lanes = vmax(top_lanes, x[v]);
+  }
+  const float top = std::max(row_max, vreduce_max(top_lanes));
+  alpha = top > row_max ? std::exp(row_max - top) : 1.f;
+  if (top == neg_inf) {  // nothing but -inf scores yet
+    std::fill(scores, scores + kDecodeChunk, 0.f);
+    return;
+  }
+  vfloat sum = vzero();
+#pragma GCC unroll 16
+  for (int v = 0; v < kDecodeChunk / kLanes; ++v) {
+    const vfloat prob = vexp(vsub(x[v], vset1(top)));
+    vstore(scores + v * kLanes, prob);
+    sum = vadd(sum, prob);
+  }
+  row_sum = row_sum * alpha + vreduce_add(sum);
+  row_max = top;
+}
+
+// acc[i] = alpha[i] * acc[i] + sum_r probs[i][r] * values[r] for kRows query rows (probs
+// kMaxTileKeys apart, acc kHeadDim apart), kDecodeVectors vectors of head_dim a pass. With
+// n_ahead > 0, key r's pass also prefetches ahead[2r] and ahead[2r + 1] (r < n_ahead), a row
+// each of head_dim elements.
+template <int64_t kHeadDim, int kRows, class V>
+void decode_values(const float* probs, const float* alpha, const V* const* values, int n, float* acc,
+                   const V* const* ahead, int n_ahead) {
+  static_assert(kHeadDim % (kDecodeVectors * kLanes) == 0, "head_dim in whole passes");
+  constexpr int64_t kLineElements = 64 / static_cast<int64_t>(sizeof(V));
+#pragma GCC unroll 16
+  for (int64_t d0 = 0; d0 < kHeadDim; d0 += kDecodeVectors * kLanes) {
+    vfloat a[kRows][kDecodeVectors];
+#pragma GCC unroll 16
+    for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < kDecodeVectors; ++j)
+        a[i][j] = vmul(vload(acc + i * kHeadDim + d0 + j * kLanes), vset1(alpha[i]));
+    for (int r = 0; r < n; ++r) {
+      if (d0 == 0 && r < n_ahead)
+        for (int64_t e = 0; e < kHeadDim; e += kLineElements) {
+          vprefetch(ahead[2 * r] + e);
+          vprefetch(ahead[2 * r + 1] + e);
+        }
+      vfloat p[kRows];
+#pragma GCC unroll 16
+      for (int i = 0; i < kRows; ++i) p[i] = vset1(probs[i * kMaxTileKeys + r]);
+#pragma GCC unroll 16
+      for (int j = 0; j < kDecodeVectors; ++j) {
+        const vfloat v = vload(values[r] + d0 + j * kLanes);
+#pragma GCC unroll 16
+        for (int i = 0; i < kRows; ++i) a[i][j] = vfma(p[i], v, a[i][j]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < kDecodeVectors; ++j) vstore(acc + i * kHeadDim + d0 + j * kLanes, a[i][j]);
+  }
+}
+
+// A task of one query token (t.num_tokens == 1, any number of KV heads): attend_tiles' outputs.
+// Q: the query's element type, T: the cache's.
+template <class Q, class T, int64_t kHeadDim>
+void attend_decode(const AttentionProblem& p, const AttentionTask& t, const TaskBuffers& b) {
+  const int64_t group = p.group, rows = group * t.num_heads;
+  float* query = static_cast<float*>(b.query);
+  load_queries<Q>(p, t, query);
+  std::fill(b.acc, b.acc + rows * kHeadDim, 0.f);
+  std::fill(b.row_max, b.row_max + rows, -std::numeric_limits<float>::infinity());
+  std::fill(b.row_sum, b.row_sum + rows, 0.f);
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const int32_t* table = p.block_tables + t.seq * p.table_stride;
+  int64_t offsets[kDecodeChunk], ahead_offsets[kDecodeChunk];
+  const float* keys[kDecodeChunk];
+  const T* values[kDecodeChunk];
+  const T* ahead_rows[2 * kDecodeChunk];  // the next chunk's key and value rows of one KV head
+  KeyCursor cursor(p, t.key_begin), ahead(p, std::min(t.key_end, t.key_begin + kDecodeChunk));
+  for (int64_t key0 = t.key_begin; key0 < t.key_end; key0 += kDecodeChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kDecodeChunk, t.key_end - key0));
+    const int n_ahead = static_cast<int>(std::clamp<int64_t>(t.key_end - ahead.key, 0, kDecodeChunk));
+    cursor.take(p, table, t.kv_head, n, offsets);
+    ahead.take(p, table, t.kv_head, n_ahead, ahead_offsets);
+    std::fill(keys + n, keys + kDecodeChunk, b.zeros);
+    for (int64_t h = 0; h < t.num_heads; ++h) {
+      const int64_t head = h * p.cache_head_stride;
+      for (int r = 0; r < n; ++r) {
+        keys[r] = f32_row<kHeadDim>(k_cache + offsets[r] + head, kHeadDim, b.k_tile + r * kHeadDim);
+        values[r] = v_cache + offsets[r] + head;
+      }
+      for (int r = 0; r < n_ahead; ++r) {
+        ahead_rows[2 * r] = k_cache + ahead_offsets[r] + head;
+        ahead_rows[2 * r + 1] = v_cache + ahead_offsets[r] + head;
+      }
+      float* probs = b.scores + h * group * kMaxTileKeys;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t m = h * group + g;
+        decode_scores<kHeadDim>(query + m * kHeadDim, keys, p.scale, probs + g * kMaxTileKeys);
+        decode_softmax(probs + g * kMaxTileKeys, n, b.row_max[m], b.row_sum[m], b.alpha[m]);
+      }
+      for (int64_t g = 0; g < group; g += kDecodeRows) {  // the first pass prefetches
+        const int64_t m = h * group + g;
+        const float* pg = probs + g * kMaxTileKeys;
+        float* acc = b.acc + m * kHeadDim;
+        const int prefetch = g == 0 ? n_ahead : 0;
+        switch (std::min<int64_t>(kDecodeRows, group - g)) {
+          case 3: decode_values<kHeadDim, 3>(pg, b.alpha + m, values, n, acc, ahead_rows, prefetch); break;
+          case 2: decode_values<kHeadDim, 2>(pg, b.alpha + m, values, n, acc, ahead_rows, prefetch); break;
+          default: decode_values<kHeadDim, 1>(pg, b.alpha + m, values, n, acc, ahead_rows, prefetch); break;
+        }
+      }
+    }
+  }
+}
+#endif
+
 // One task (AttentionTask): fills b.acc, b.row_max and b.row_sum; the caller normalises. Q is
 // the query's element type, T the cache's.
 template <class Q, class T = Q>
 void attend(const AttentionProblem& p, const AttentionTask& t, const TaskBuffers& b) {
+#ifdef MINI_INFER_DECODE_KERNEL
+  if (t.num_tokens == 1 && p.head_dim == 64) return attend_decode<Q, T, 64>(p, t, b);
+  if (t.num_tokens == 1 && p.head_dim == 128) return attend_decode<Q, T, 128>(p, t, b);
+#endif
   switch (p.head_dim) {  // the common head sizes get unrolled loops
     case 64:
       return t.num_heads == 1 ? attend_tiles<Q, T, 64, true>(p, t, b) : attend_tiles<Q, T, 64, false>(p, t, b);

@@ -7,8 +7,9 @@
 // set this CPU runs (attention_kernels.cpp), cuts the batch into tasks (attention_kernel.h:
 // AttentionTask) and runs them on torch's intra-op threads:
 //   - a decode token: one task per KV head (its GQA group of query heads together, so K/V is
-//     read once per KV head), or in fp32 one task for all its KV heads; or several over its
-//     context when there are fewer tasks than threads (split-K, merged afterwards);
+//     read once per KV head), or with the AVX2 and scalar kernels one task for all its KV
+//     heads (attention_tile.h: attend_decode); or several over its context when there are
+//     fewer tasks than threads (split-K, merged afterwards);
 //   - a prefill chunk: one task per KV head and kPrefillRowsPerTask query rows (tokens x group);
 //     or, where the caller asks (bf16 on a CPU with AMX), one torch SDPA call for a chunk of
 //     kSdpaMinQueryTokens or more (run_sdpa_prefills).
@@ -317,7 +318,7 @@ void run_plan(const Plan& plan, const AttentionProblem& problem, int64_t num_kv_
   // A block holds every KV head's row of a token side by side, so the sequence's blocks then
   // pass through one core's caches, not two. Decode, 2 threads, an AMD EPYC (avx512_bf16),
   // medians of 7 alternating rounds against one task at a time: bf16 0.79-0.83x the time
-  // (b64 x ctx512 0.963 -> 0.796 ms), fp32 0.88-0.96x. (With the AVX2 kernels fp32 decode
+  // (b64 x ctx512 0.963 -> 0.796 ms), fp32 0.88-0.96x. (With the AVX2 kernels decode
   // tokens are whole tasks: see paged_attention.)
   const bool claim_heads = !plan.whole_decode_tokens && num_work >= kTasksPerThread * workers * num_kv_heads;
   const int64_t claim = claim_heads ? num_kv_heads : 1;
@@ -409,14 +410,15 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
                          k_cache.size(2), k_cache.size(0)};
   check_batch(shape, problem);
   const IsaKernels& kernels = select_kernels(isa, head_dim);
-  // With the AVX2 kernels an fp32 decode token is one task, all KV heads together: a key
-  // position's rows of every KV head lie side by side, so a task reads each block once, front
-  // to back (Zen 3 EPYC, 2 threads, SmolLM2's heads, LLC flushed: 0.39-0.41 -> 0.41-0.43 of
-  // copy at batch 64 x context 512, 0.31-0.32 -> 0.38-0.47 at batch 1 x 4096). With the
-  // AVX-512 kernels the same tasks ran 0.85-0.89x as fast at batch 16-256 (Xeon with AMX, 2
-  // threads, 1 GiB flushed) and bf16 ones 0.78-0.83x on both CPUs, so there a task is one KV
-  // head (docs/PERFORMANCE.md).
-  const bool whole_decode_tokens = k_cache.scalar_type() == torch::kFloat32 && kernels.whole_decode_tokens_f32;
+  // With the AVX2 (and scalar) kernels a decode token is one task, all KV heads together,
+  // through attend_decode: a key position's rows of every KV head lie side by side, so a task
+  // reads each block once, front to back (Zen 3 EPYC, 2 threads, SmolLM2's heads, LLC flushed:
+  // fp32 0.39-0.41 -> 0.41-0.43 of copy at batch 64 x context 512 with attend_tiles, and
+  // attend_decode, which needs such tasks, took both dtypes further: docs/PERFORMANCE.md, "A
+  // decode kernel for AVX2"). With the AVX-512 kernels whole tasks ran 0.85-0.89x as fast at
+  // batch 16-256 (Xeon with AMX, 2 threads, 1 GiB flushed) and bf16 ones 0.78-0.83x on both
+  // CPUs, so there a task is one KV head.
+  const bool whole_decode_tokens = kernels.whole_decode_tokens;
   const bool sdpa = sdpa_prefill && query.scalar_type() == torch::kBFloat16;
   const Plan plan = plan_work(shape, group, num_splits, whole_decode_tokens, sdpa);
   auto out = torch::empty_like(query);

@@ -35,7 +35,8 @@ SHAPES = {
     "long-decode-g3-d64-b16": ([(1000, 1), (2047, 1), (513, 1)], 9, 3, 64, 16),
     # enough tasks that each thread claims a sequence's KV heads together (run_plan)
     "many-decodes-g3-d64-b16": ([(40 + 7 * (i % 24), 1) for i in range(48)], 9, 3, 64, 16),
-    # an fp32 decode task of all 8 KV heads: 32 query rows, each head's at its own offset
+    # a decode task of all 8 KV heads (avx2 and scalar take whole decode tokens, through
+    # attend_decode): 32 query rows, each head's at its own offset
     "decode-g4-d128-kv8-b16": (DECODE, 32, 8, 128, 16),
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
