@@ -107,12 +107,10 @@ inline float to_float(fp16_t x) { return fp16_to_float(x.bits); }
 
 }  // namespace
 
-// An instruction set's IsaKernels: head_dim must be a multiple of its vector width.
-// `whole`: whether decode tokens are whole tasks, of all their KV heads (cpu_attention.cpp:
-// paged_attention); the instruction sets that say so compile attend_decode
-// (MINI_INFER_DECODE_KERNEL), which takes every task of one query token.
-#define MINI_INFER_KERNEL_TABLE(isa, name, whole) \
-  {name, isa::kLanes, &isa::attend<float>, &isa::attend<bf16_t>, &isa::attend<fp16_t>, whole,                    \
+// An instruction set's IsaKernels: head_dim must be a multiple of its vector width; decode
+// tokens are whole tasks where it compiles attend_decode (MINI_INFER_DECODE_KERNEL).
+#define MINI_INFER_KERNEL_TABLE(isa, name)                                                                      \
+  {name, isa::kLanes, &isa::attend<float>, &isa::attend<bf16_t>, &isa::attend<fp16_t>, isa::kWholeDecodeTokens, \
    &isa::silu_and_mul_bf16, MINI_INFER_FP8_KERNELS(isa, fp8e5m2_t), MINI_INFER_FP8_KERNELS(isa, fp8e4m3_t)}
 #define MINI_INFER_FP8_KERNELS(isa, F)                                                                       \
   {&isa::attend<float, F>, &isa::attend<bf16_t, F>, &isa::attend<fp16_t, F>,                                \
@@ -128,7 +126,7 @@ namespace isa_scalar {
 #undef MINI_INFER_DECODE_KERNEL
 // The scalar kernels plan and decode as AVX2 does (untimed): so that the tests run whole
 // decode tasks through attend_decode on every CPU.
-const IsaKernels kScalarKernels = MINI_INFER_KERNEL_TABLE(isa_scalar, "scalar", true);
+const IsaKernels kScalarKernels = MINI_INFER_KERNEL_TABLE(isa_scalar, "scalar");
 
 #ifdef MINI_INFER_X86_KERNELS
 #pragma GCC push_options
@@ -165,9 +163,9 @@ namespace isa_avx512_bf16 {
 #undef MINI_INFER_NATIVE_BF16
 #pragma GCC pop_options
 
-const IsaKernels kAvx2Kernels = MINI_INFER_KERNEL_TABLE(isa_avx2, "avx2", true);
-const IsaKernels kAvx512Kernels = MINI_INFER_KERNEL_TABLE(isa_avx512, "avx512", false);
-const IsaKernels kAvx512Bf16Kernels = MINI_INFER_KERNEL_TABLE(isa_avx512_bf16, "avx512_bf16", false);
+const IsaKernels kAvx2Kernels = MINI_INFER_KERNEL_TABLE(isa_avx2, "avx2");
+const IsaKernels kAvx512Kernels = MINI_INFER_KERNEL_TABLE(isa_avx512, "avx512");
+const IsaKernels kAvx512Bf16Kernels = MINI_INFER_KERNEL_TABLE(isa_avx512_bf16, "avx512_bf16");
 #endif
 
 }  // namespace mini_infer

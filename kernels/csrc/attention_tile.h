@@ -579,6 +579,14 @@ void attend_decode(const AttentionProblem& p, const AttentionTask& t, const Task
 }
 #endif
 
+// Whether the driver makes a decode token one task of all its KV heads (IsaKernels): where
+// attend_decode takes them.
+#ifdef MINI_INFER_DECODE_KERNEL
+constexpr bool kWholeDecodeTokens = true;
+#else
+constexpr bool kWholeDecodeTokens = false;
+#endif
+
 // One task (AttentionTask): fills b.acc, b.row_max and b.row_sum; the caller normalises. Q is
 // the query's element type, T the cache's.
 template <class Q, class T = Q>
