@@ -429,13 +429,18 @@ void attend_tiles(const AttentionProblem& p, const AttentionTask& t, const TaskB
 // head_dim). While a chunk's values are summed, the same key rows of the next chunk are
 // prefetched, one key's rows (keys and values) a key, so that a few lines at a time are in
 // flight; a burst of a whole chunk's lines, or none, was slower. Only compile-time head_dims.
+// A bf16 cache is read in halves (vload_halves: each pair of elements widened in place, the
+// even ones and the odd ones as two vectors), so bf16 keys and values are never copied to
+// fp32 and their widening takes two instructions per 16 elements; the query rows and the
+// accumulators are kept in that order (halves_order) and put back at the end of the task.
 // Zen 3 EPYC (AVX2), 2 threads, SmolLM2's heads, LLC flushed, against attend_tiles in turns:
-// docs/PERFORMANCE.md, "A decode kernel for AVX2".
+// docs/PERFORMANCE.md, "A decode kernel for AVX2", and "bf16 read in halves" after it.
 
 constexpr int kDecodeChunk = static_cast<int>(kMaxTileKeys);  // keys per softmax update
 constexpr int kDecodeRows = 3;     // query rows per pass over the values
 constexpr int kDecodeVectors = 4;  // vectors of head_dim per pass: 3 x 4 accumulators, 3
                                    // probabilities and a value vector fill AVX2's 16 registers
+                                   // (bf16: one probability at a time, vbroadcast_once)
 
 // scores[r] = scale * q . keys[r], r < kDecodeChunk (fp32 rows; a missing key a row of zeros).
 template <int64_t kHeadDim>
@@ -455,32 +460,96 @@ void decode_scores(const float* q, const float* const* keys, float scale, float*
   }
 }
 
-// The online softmax (as softmax_update) of one query row over a chunk of n keys, all visible
-// (a decode token sees its whole context): scores become probabilities in place, 0 past n.
-inline void decode_softmax(float* scores, int n, float& row_max, float& row_sum, float& alpha) {
+// Rows of head_dim fp32 elements, each block of 2 kLanes reordered as its even elements then its
+// odd ones (the order in which vload_halves gives bf16 elements), or back (kBack).
+template <bool kBack = false>
+void halves_order(float* rows, int64_t num_rows, int64_t head_dim) {
+  float block[2 * kLanes];
+  for (int64_t d = 0; d < num_rows * head_dim; d += 2 * kLanes) {
+    std::copy(rows + d, rows + d + 2 * kLanes, block);
+    for (int i = 0; i < kLanes; ++i) {
+      if (kBack) rows[d + 2 * i] = block[i], rows[d + 2 * i + 1] = block[kLanes + i];
+      else rows[d + i] = block[2 * i], rows[d + kLanes + i] = block[2 * i + 1];
+    }
+  }
+}
+
+// scores[i * kMaxTileKeys + r] = scale * q_i . keys[r] for kRows query rows (halves_order,
+// kHeadDim apart) and r < kDecodeChunk, from bf16 key rows (a missing key a row of zeros): two
+// keys at a time, each slice of a key widened once (vload_halves) for all kRows rows, kRows x
+// 2 accumulators in registers, the query's slices memory operands; each row's partial sums of
+// kLanes keys then go through one add tree. No fp32 copy of the keys (f32_row) is made: that
+// copy, its stores and its reloads took a quarter of the kernel's time.
+template <int64_t kHeadDim, int kRows>
+void decode_scores_bf16(const float* q, const bf16_t* const* keys, float scale, float* scores) {
+  constexpr int kKeys = kLanes >= 2 ? 2 : 1;  // keys per pass over head_dim (kLanes a multiple)
+  vfloat partial[kRows][kLanes];  // a query row's partial sums of kLanes keys, for one add tree
+#pragma GCC unroll 16
+  for (int k0 = 0; k0 < kDecodeChunk; k0 += kKeys) {
+    vfloat sums[kRows][kKeys];
+#pragma GCC unroll 16
+    for (int64_t d = 0; d < kHeadDim; d += 2 * kLanes) {
+#pragma GCC unroll 16
+      for (int r = 0; r < kKeys; ++r) {
+        vfloat even, odd;
+        vload_halves(keys[k0 + r] + d, even, odd);
+#pragma GCC unroll 16
+        for (int i = 0; i < kRows; ++i) {  // the first slice's products start the sums
+          const vfloat sum = d == 0 ? vmul(even, vload(q + i * kHeadDim))
+                                    : vfma(even, vload(q + i * kHeadDim + d), sums[i][r]);
+          sums[i][r] = vfma(odd, vload(q + i * kHeadDim + d + kLanes), sum);
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 16
+      for (int r = 0; r < kKeys; ++r) partial[i][(k0 + r) % kLanes] = sums[i][r];
+    if ((k0 + kKeys) % kLanes == 0)
+#pragma GCC unroll 16
+      for (int i = 0; i < kRows; ++i)
+        vstore(scores + i * kMaxTileKeys + k0 + kKeys - kLanes, vmul(vreduce_rows(partial[i]), vset1(scale)));
+  }
+}
+
+// The online softmax (as softmax_update) of kRows query rows (scores kMaxTileKeys apart) over
+// a chunk of n keys, all visible (a decode token sees its whole context): scores become
+// probabilities in place, 0 past n. The rows' independent chains (max, exp, sum) are
+// interleaved in one call; only a short chunk (n < kDecodeChunk) is masked.
+template <int kRows>
+void decode_softmax(float* scores, int n, float* row_max, float* row_sum, float* alpha) {
+  constexpr int kVectors = kDecodeChunk / kLanes;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  vfloat x[kDecodeChunk / kLanes];
-  vfloat top_lanes = vset1(neg_inf);
+  vfloat x[kRows][kVectors];
+  float top[kRows];
 #pragma GCC unroll 16
-  for (int v = 0; v < kDecodeChunk / kLanes; ++v) {
-    x[v] = vkeep_first(vload(scores + v * kLanes), n - v * kLanes, neg_inf);
-    top_lanes = vmax(top_lanes, x[v]);
-  }
-  const float top = std::max(row_max, vreduce_max(top_lanes));
-  alpha = top > row_max ? std::exp(row_max - top) : 1.f;
-  if (top == neg_inf) {  // nothing but -inf scores yet
-    std::fill(scores, scores + kDecodeChunk, 0.f);
-    return;
-  }
-  vfloat sum = vzero();
+  for (int i = 0; i < kRows; ++i) {
+    vfloat top_lanes = vset1(neg_inf);
 #pragma GCC unroll 16
-  for (int v = 0; v < kDecodeChunk / kLanes; ++v) {
-    const vfloat prob = vexp(vsub(x[v], vset1(top)));
-    vstore(scores + v * kLanes, prob);
-    sum = vadd(sum, prob);
+    for (int v = 0; v < kVectors; ++v) {
+      x[i][v] = vload(scores + i * kMaxTileKeys + v * kLanes);
+      if (n < kDecodeChunk) x[i][v] = vkeep_first(x[i][v], n - v * kLanes, neg_inf);
+      top_lanes = vmax(top_lanes, x[i][v]);
+    }
+    top[i] = std::max(row_max[i], vreduce_max(top_lanes));
   }
-  row_sum = row_sum * alpha + vreduce_add(sum);
-  row_max = top;
+#pragma GCC unroll 16
+  for (int i = 0; i < kRows; ++i) {
+    alpha[i] = top[i] > row_max[i] ? std::exp(row_max[i] - top[i]) : 1.f;
+    if (top[i] == neg_inf) {  // nothing but -inf scores yet
+      std::fill(scores + i * kMaxTileKeys, scores + i * kMaxTileKeys + kDecodeChunk, 0.f);
+      continue;
+    }
+    vfloat sum = vzero();
+#pragma GCC unroll 16
+    for (int v = 0; v < kVectors; ++v) {
+      const vfloat prob = vexp(vsub(x[i][v], vset1(top[i])));
+      vstore(scores + i * kMaxTileKeys + v * kLanes, prob);
+      sum = vadd(sum, prob);
+    }
+    row_sum[i] = row_sum[i] * alpha[i] + vreduce_add(sum);
+    row_max[i] = top[i];
+  }
 }
 
 // acc[i] = alpha[i] * acc[i] + sum_r probs[i][r] * values[r] for kRows query rows (probs
@@ -490,6 +559,7 @@ inline void decode_softmax(float* scores, int n, float& row_max, float& row_sum,
 template <int64_t kHeadDim, int kRows, class V>
 void decode_values(const float* probs, const float* alpha, const V* const* values, int n, float* acc,
                    const V* const* ahead, int n_ahead) {
+  constexpr bool kHalves = std::is_same_v<V, bf16_t>;
   static_assert(kHeadDim % (kDecodeVectors * kLanes) == 0, "head_dim in whole passes");
   constexpr int64_t kLineElements = 64 / static_cast<int64_t>(sizeof(V));
 #pragma GCC unroll 16
@@ -506,14 +576,27 @@ void decode_values(const float* probs, const float* alpha, const V* const* value
           vprefetch(ahead[2 * r] + e);
           vprefetch(ahead[2 * r + 1] + e);
         }
-      vfloat p[kRows];
+      if constexpr (kHalves) {
 #pragma GCC unroll 16
-      for (int i = 0; i < kRows; ++i) p[i] = vset1(probs[i * kMaxTileKeys + r]);
+        for (int j = 0; j < kDecodeVectors; j += 2) {
+          vfloat even, odd;
+          vload_halves(values[r] + d0 + j * kLanes, even, odd);
 #pragma GCC unroll 16
-      for (int j = 0; j < kDecodeVectors; ++j) {
-        const vfloat v = vload(values[r] + d0 + j * kLanes);
+          for (int i = 0; i < kRows; ++i) {
+            const vfloat p = vbroadcast_once(probs + i * kMaxTileKeys + r);
+            a[i][j] = vfma(p, even, a[i][j]), a[i][j + 1] = vfma(p, odd, a[i][j + 1]);
+          }
+        }
+      } else {
+        vfloat p[kRows];
 #pragma GCC unroll 16
-        for (int i = 0; i < kRows; ++i) a[i][j] = vfma(p[i], v, a[i][j]);
+        for (int i = 0; i < kRows; ++i) p[i] = vset1(probs[i * kMaxTileKeys + r]);
+#pragma GCC unroll 16
+        for (int j = 0; j < kDecodeVectors; ++j) {
+          const vfloat v = vload(values[r] + d0 + j * kLanes);
+#pragma GCC unroll 16
+          for (int i = 0; i < kRows; ++i) a[i][j] = vfma(p[i], v, a[i][j]);
+        }
       }
     }
 #pragma GCC unroll 16
@@ -527,9 +610,11 @@ void decode_values(const float* probs, const float* alpha, const V* const* value
 // Q: the query's element type, T: the cache's.
 template <class Q, class T, int64_t kHeadDim>
 void attend_decode(const AttentionProblem& p, const AttentionTask& t, const TaskBuffers& b) {
+  constexpr bool kHalves = std::is_same_v<T, bf16_t>;  // bf16 keys and values in halves_order
   const int64_t group = p.group, rows = group * t.num_heads;
   float* query = static_cast<float*>(b.query);
   load_queries<Q>(p, t, query);
+  if constexpr (kHalves) halves_order(query, rows, kHeadDim);
   std::fill(b.acc, b.acc + rows * kHeadDim, 0.f);
   std::fill(b.row_max, b.row_max + rows, -std::numeric_limits<float>::infinity());
   std::fill(b.row_sum, b.row_sum + rows, 0.f);
@@ -538,6 +623,7 @@ void attend_decode(const AttentionProblem& p, const AttentionTask& t, const Task
   const int32_t* table = p.block_tables + t.seq * p.table_stride;
   int64_t offsets[kDecodeChunk], ahead_offsets[kDecodeChunk];
   const float* keys[kDecodeChunk];
+  const bf16_t* bf16_keys[kDecodeChunk];
   const T* values[kDecodeChunk];
   const T* ahead_rows[2 * kDecodeChunk];  // the next chunk's key and value rows of one KV head
   KeyCursor cursor(p, t.key_begin), ahead(p, std::min(t.key_end, t.key_begin + kDecodeChunk));
@@ -547,10 +633,14 @@ void attend_decode(const AttentionProblem& p, const AttentionTask& t, const Task
     cursor.take(p, table, t.kv_head, n, offsets);
     ahead.take(p, table, t.kv_head, n_ahead, ahead_offsets);
     std::fill(keys + n, keys + kDecodeChunk, b.zeros);
+    std::fill(bf16_keys + n, bf16_keys + kDecodeChunk, reinterpret_cast<const bf16_t*>(b.zeros));
     for (int64_t h = 0; h < t.num_heads; ++h) {
       const int64_t head = h * p.cache_head_stride;
       for (int r = 0; r < n; ++r) {
-        keys[r] = f32_row<kHeadDim>(k_cache + offsets[r] + head, kHeadDim, b.k_tile + r * kHeadDim);
+        if constexpr (kHalves)
+          bf16_keys[r] = k_cache + offsets[r] + head;
+        else
+          keys[r] = f32_row<kHeadDim>(k_cache + offsets[r] + head, kHeadDim, b.k_tile + r * kHeadDim);
         values[r] = v_cache + offsets[r] + head;
       }
       for (int r = 0; r < n_ahead; ++r) {
@@ -558,10 +648,28 @@ void attend_decode(const AttentionProblem& p, const AttentionTask& t, const Task
         ahead_rows[2 * r + 1] = v_cache + ahead_offsets[r] + head;
       }
       float* probs = b.scores + h * group * kMaxTileKeys;
-      for (int64_t g = 0; g < group; ++g) {
+      if constexpr (kHalves) {
+        for (int64_t g = 0; g < group; g += kDecodeRows) {
+          const float* q = query + (h * group + g) * kHeadDim;
+          float* s = probs + g * kMaxTileKeys;
+          switch (std::min<int64_t>(kDecodeRows, group - g)) {
+            case 3: decode_scores_bf16<kHeadDim, 3>(q, bf16_keys, p.scale, s); break;
+            case 2: decode_scores_bf16<kHeadDim, 2>(q, bf16_keys, p.scale, s); break;
+            default: decode_scores_bf16<kHeadDim, 1>(q, bf16_keys, p.scale, s); break;
+          }
+        }
+      }
+      if constexpr (!kHalves)
+        for (int64_t g = 0; g < group; ++g)
+          decode_scores<kHeadDim>(query + (h * group + g) * kHeadDim, keys, p.scale, probs + g * kMaxTileKeys);
+      for (int64_t g = 0; g < group; g += kDecodeRows) {
         const int64_t m = h * group + g;
-        decode_scores<kHeadDim>(query + m * kHeadDim, keys, p.scale, probs + g * kMaxTileKeys);
-        decode_softmax(probs + g * kMaxTileKeys, n, b.row_max[m], b.row_sum[m], b.alpha[m]);
+        float* s = probs + g * kMaxTileKeys;
+        switch (std::min<int64_t>(kDecodeRows, group - g)) {
+          case 3: decode_softmax<3>(s, n, b.row_max + m, b.row_sum + m, b.alpha + m); break;
+          case 2: decode_softmax<2>(s, n, b.row_max + m, b.row_sum + m, b.alpha + m); break;
+          default: decode_softmax<1>(s, n, b.row_max + m, b.row_sum + m, b.alpha + m); break;
+        }
       }
       for (int64_t g = 0; g < group; g += kDecodeRows) {  // the first pass prefetches
         const int64_t m = h * group + g;
@@ -576,6 +684,7 @@ void attend_decode(const AttentionProblem& p, const AttentionTask& t, const Task
       }
     }
   }
+  if constexpr (kHalves) halves_order<true>(b.acc, rows, kHeadDim);
 }
 #endif
 

@@ -120,3 +120,24 @@ inline vfloat vreduce_rows(const vfloat* rows) {
 // An asm statement, not _mm_prefetch: GCC deems __builtin_prefetch free of side effects and
 // deleted every call of a function that does nothing but prefetch.
 inline void vprefetch(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
+
+// bf16 elements p[0, 2 kLanes) as two vectors, without reordering across lanes: lane i of
+// `even` is p[2i], of `odd` p[2i + 1] (each 32-bit lane holds a pair; its low element shifted
+// up is the even one, the pair with its low half cleared the odd one). One load and two
+// instructions for 16 elements; vload(const bf16_t*) takes two and a load for 8.
+inline void vload_halves(const bf16_t* p, vfloat& even, vfloat& odd) {
+  const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// *p in every lane, loaded where it is used: a volatile asm, so that the compiler neither
+// merges two broadcasts of the same element nor keeps one in a register past its use
+// (decode_values on bf16: 12 accumulators, two value vectors and one probability fill 15 of
+// the 16 registers; with a probability per query row held over the pass GCC spilled an
+// accumulator, which put a store and a load into every key's dependency chain).
+inline vfloat vbroadcast_once(const float* p) {
+  vfloat v;
+  asm volatile("vbroadcastss %1, %0" : "=x"(v) : "m"(*p));
+  return v;
+}

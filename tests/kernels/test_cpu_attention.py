@@ -2,9 +2,9 @@
 instruction-set path this CPU runs, forced one at a time, over shuffled block tables padded
 with -1 and NaN-poisoned caches: decode tokens (with and without the context split across
 threads, few and many sequences), whole prompts (prefill tasks of 15 to 64 query rows),
-chunks after cached tokens and mixed batches; GQA groups 1, 3, 7; lengths 15, 16, 17 around
-a block boundary; head_dim 64, 128 and 80; fp32, bf16 and fp16. And the C++ store of new K/V
-against the reference's."""
+chunks after cached tokens and mixed batches; GQA groups 1, 3, 4, 5, 7; lengths 15, 16, 17
+around a block boundary; head_dim 64, 128 and 80; fp32, bf16 and fp16. And the C++ store of
+new K/V against the reference's."""
 import functools
 import re
 import shutil
@@ -38,6 +38,8 @@ SHAPES = {
     # a decode task of all 8 KV heads (avx2 and scalar take whole decode tokens, through
     # attend_decode): 32 query rows, each head's at its own offset
     "decode-g4-d128-kv8-b16": (DECODE, 32, 8, 128, 16),
+    # attend_decode takes a head's query rows 3 at a time: group 5 is a pass of 3 and one of 2
+    "decode-g5-d64-b16": (DECODE, 10, 2, 64, 16),
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ISAS = cpu_attention.supported_isas() if cpu_attention.is_available() else []
