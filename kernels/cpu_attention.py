@@ -37,6 +37,8 @@ _SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "attention_kernels.cpp"]
 ISA_ENV = "MINI_INFER_CPU_ISA"  # the kernels a call that names none runs: "auto" or a name
 PREFILL_ENV = "MINI_INFER_CPU_PREFILL"  # how long bf16 prefill chunks run: "auto", "sdpa" or "tiles"
 PREFILL_CHOICES = ("auto", "sdpa", "tiles")
+BUILD_CFLAGS = ["-O3", "-fopenmp"]  # no -march: the kernels pick their instruction sets (attention_kernels.cpp)
+BUILD_LDFLAGS = ["-fopenmp"]
 
 
 def extension_name() -> str:
@@ -61,7 +63,7 @@ def load():
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     module = load_extension(name=extension_name(), sources=[str(s) for s in _SOURCES],
-                            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                            extra_cflags=BUILD_CFLAGS, extra_ldflags=BUILD_LDFLAGS, verbose=False)
     # The extension defines torch.ops.mini_infer.silu_and_mul as it loads; its shapes, for
     # torch.compile (the compiled glue calls it as an opaque op):
     torch.library.register_fake("mini_infer::silu_and_mul")(_silu_and_mul_fake)

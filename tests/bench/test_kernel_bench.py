@@ -1,25 +1,13 @@
 """The non-GPU logic of ``bench/kernel_bench.py``: byte accounting, skipping, the table; and
 its ``cpu`` subcommand (``bench/kernel_bench_cpu.py``) end to end on small shapes."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-_BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench import load_bench_module
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, _BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
-
-
-kb = _load("kernel_bench")
-kb_cpu = _load("kernel_bench_cpu")  # imports kernel_bench: loaded first
+kb = load_bench_module("kernel_bench")
+kb_cpu = load_bench_module("kernel_bench_cpu")  # imports kernel_bench: loaded first
 
 SHAPE = kb.QWEN2_5_7B
 
