@@ -646,7 +646,7 @@ void attend_decode(const AttentionProblem& p, const AttentionTask& t, const Task
         // This chunk's rows of this head, asked for at once (mostly in flight already, from
         // the chunk before): the arithmetic below reads them a few at a time, and misses that
         // wait on each other there cost more than these prefetches (bf16 1.21-1.41x, fp32
-        // 1.02-1.15x, b64 x ctx512 from memory; "Asking for a chunk's rows at once").
+        // 1.02-1.15x, b64 x ctx512 from memory; docs/PERFORMANCE.md, "bf16 read in halves").
         for (int64_t e = 0; e < kHeadDim; e += 64 / static_cast<int64_t>(sizeof(T))) {
           vprefetch(k_cache + offsets[r] + head + e);
           vprefetch(values[r] + e);
