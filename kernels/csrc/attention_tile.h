@@ -426,10 +426,10 @@ void attend_tiles(const AttentionProblem& p, const AttentionTask& t, const TaskB
 // as memory operands) and one add tree; each value row is read once per pass of kDecodeRows
 // query rows, whose kDecodeRows x kDecodeVectors accumulators stay in registers, and each
 // probability is broadcast once per pass (attend_tiles broadcasts it once per vector of
-// head_dim). While a chunk's values are summed, the same key rows of the next chunk are
-// prefetched, one key's rows (keys and values) a key, so that a few lines at a time are in
-// flight; and when a head's turn in a chunk starts, its rows of the chunk are prefetched at
-// once, so that the misses still pending overlap each other. Only compile-time head_dims.
+// head_dim). Throughout a chunk's arithmetic the next chunk's rows (every KV head's) are
+// prefetched a few lines at a time (AheadPieces), so that misses are in flight all the while;
+// and when a head's turn in a chunk starts, its rows of the chunk are prefetched at once, so
+// that the misses still pending overlap each other. Only compile-time head_dims.
 // A bf16 cache is read in halves (vload_halves: each pair of elements widened in place, the
 // even ones and the odd ones as two vectors), so bf16 keys and values are never copied to
 // fp32 and their widening takes two instructions per 16 elements; the query rows and the
@@ -443,11 +443,66 @@ constexpr int kDecodeVectors = 4;  // vectors of head_dim per pass: 3 x 4 accumu
                                    // probabilities and a value vector fill AVX2's 16 registers
                                    // (bf16: one probability at a time, vbroadcast_once)
 
-// scores[r] = scale * q . keys[r], r < kDecodeChunk (fp32 rows; a missing key a row of zeros).
-template <int64_t kHeadDim>
-void decode_scores(const float* q, const float* const* keys, float scale, float* scores) {
+// The rows of the next chunk, asked for a few lines at a time from inside this chunk's
+// arithmetic, so that misses are in flight all the while instead of arriving in bursts that
+// the core waits out: when a KV head's turn in a chunk starts, the next chunk's key and value
+// rows of that head are listed in pieces of kGrainLines lines (list), and the turn's score and
+// value loops ask for them in proportion to the work done (step). A value type: the loops take
+// it by value and hand it on, so its state stays in registers (kept in the caller's memory, its
+// bookkeeping cost a third of the kernel's time from L1). Against 8371f47 (the next chunk's
+// rows of a head asked for a key at a time in its first value pass), b64 x ctx512, 2 threads,
+// LLC flushed: docs/PERFORMANCE.md, "The next chunk asked for through the arithmetic".
+template <class T, int64_t kHeadDim>
+struct AheadPieces {
+  static constexpr int64_t kLineElements = 64 / static_cast<int64_t>(sizeof(T));
+  static constexpr int kRowLines = static_cast<int>((kHeadDim + kLineElements - 1) / kLineElements);
+  // Lines asked for together: fp32, bound by memory here, is fastest a line at a time; bf16,
+  // bound by its arithmetic, with fewer instructions a row (128 bytes) at a time.
+  static constexpr int kGrainLines = std::min(kRowLines, sizeof(T) >= 4 ? 1 : 2);
+  static constexpr int kParts = kRowLines / kGrainLines;  // pieces of a row
+  static_assert(kRowLines % kGrainLines == 0, "rows in whole pieces");
+  static constexpr int kMaxPieces = 2 * kDecodeChunk * kParts;
+
+  const T* const* piece = nullptr;  // the next piece to ask for
+  const T* const* end = nullptr;
+  int64_t credit = 0, per_unit = 0;  // pieces per unit of work (vector FMAs), in 1/256ths
+
+  // The pieces of n rows of keys and of values at `offsets` (+ head) into `pieces`, to be asked
+  // for over `units` of work.
+  static AheadPieces list(const T* k_cache, const T* v_cache, const int64_t* offsets, int n, int64_t head,
+                          int64_t units, const T** pieces) {
+    const T** out = pieces;
+    for (int r = 0; r < n; ++r) {
+#pragma GCC unroll 16
+      for (int e = 0; e < kParts; ++e) *out++ = k_cache + offsets[r] + head + e * kGrainLines * kLineElements;
+#pragma GCC unroll 16
+      for (int e = 0; e < kParts; ++e) *out++ = v_cache + offsets[r] + head + e * kGrainLines * kLineElements;
+    }
+    const int64_t count = out - pieces;
+    return {pieces, out, 0, (count * 256 + units - 1) / std::max<int64_t>(units, 1)};
+  }
+  // After `units` vector FMAs of work: the pieces due by then.
+  void step(int64_t units) {
+    credit += units * per_unit;
+    for (int64_t due = credit >> 8; due > 0 && piece < end; --due, ++piece)
+#pragma GCC unroll 16
+      for (int e = 0; e < kGrainLines; ++e) vprefetch(*piece + e * kLineElements);
+    credit &= 255;
+  }
+  void finish() {
+    for (; piece < end; ++piece)
+#pragma GCC unroll 16
+      for (int e = 0; e < kGrainLines; ++e) vprefetch(*piece + e * kLineElements);
+  }
+};
+
+// scores[r] = scale * q . keys[r], r < kDecodeChunk (fp32 rows; a missing key a row of zeros);
+// each kLanes keys are a step of `ahead` (AheadPieces).
+template <int64_t kHeadDim, class Stream>
+Stream decode_scores(const float* q, const float* const* keys, float scale, float* scores, Stream ahead) {
 #pragma GCC unroll 16
   for (int k0 = 0; k0 < kDecodeChunk; k0 += kLanes) {
+    ahead.step(kHeadDim);
     vfloat partial[kLanes];
 #pragma GCC unroll 16
     for (int r = 0; r < kLanes; ++r) partial[r] = vzero();
@@ -459,6 +514,7 @@ void decode_scores(const float* q, const float* const* keys, float scale, float*
     }
     vstore(scores + k0, vmul(vreduce_rows(partial), vset1(scale)));
   }
+  return ahead;
 }
 
 // Rows of head_dim fp32 elements, each block of 2 kLanes reordered as its even elements then its
@@ -480,13 +536,17 @@ void halves_order(float* rows, int64_t num_rows, int64_t head_dim) {
 // keys at a time, each slice of a key widened once (vload_halves) for all kRows rows, kRows x
 // 2 accumulators in registers, the query's slices memory operands; each row's partial sums of
 // kLanes keys then go through one add tree. No fp32 copy of the keys (f32_row) is made: that
-// copy, its stores and its reloads took a quarter of the kernel's time.
-template <int64_t kHeadDim, int kRows>
-void decode_scores_bf16(const float* q, const bf16_t* const* keys, float scale, float* scores) {
+// copy, its stores and its reloads took a quarter of the kernel's time. Each kKeys keys are a
+// step of `ahead` (AheadPieces).
+template <int64_t kHeadDim, int kRows, class Stream>
+Stream decode_scores_bf16(const float* q, const bf16_t* const* keys, float scale, float* scores, Stream ahead) {
   constexpr int kKeys = kLanes >= 2 ? 2 : 1;  // keys per pass over head_dim (kLanes a multiple)
   vfloat partial[kRows][kLanes];  // a query row's partial sums of kLanes keys, for one add tree
+  // Loads bound these passes, not FMAs: about twice the FMAs' time (docs/PERFORMANCE.md).
+  constexpr int64_t kScoreUnits = 2 * kRows * kKeys * (kHeadDim / kLanes);
 #pragma GCC unroll 16
   for (int k0 = 0; k0 < kDecodeChunk; k0 += kKeys) {
+    ahead.step(kScoreUnits);
     vfloat sums[kRows][kKeys];
 #pragma GCC unroll 16
     for (int64_t d = 0; d < kHeadDim; d += 2 * kLanes) {
@@ -511,6 +571,7 @@ void decode_scores_bf16(const float* q, const bf16_t* const* keys, float scale, 
       for (int i = 0; i < kRows; ++i)
         vstore(scores + i * kMaxTileKeys + k0 + kKeys - kLanes, vmul(vreduce_rows(partial[i]), vset1(scale)));
   }
+  return ahead;
 }
 
 // The online softmax (as softmax_update) of kRows query rows (scores kMaxTileKeys apart) over
@@ -554,15 +615,13 @@ void decode_softmax(float* scores, int n, float* row_max, float* row_sum, float*
 }
 
 // acc[i] = alpha[i] * acc[i] + sum_r probs[i][r] * values[r] for kRows query rows (probs
-// kMaxTileKeys apart, acc kHeadDim apart), kDecodeVectors vectors of head_dim a pass. With
-// n_ahead > 0, key r's pass also prefetches ahead[2r] and ahead[2r + 1] (r < n_ahead), a row
-// each of head_dim elements.
-template <int64_t kHeadDim, int kRows, class V>
-void decode_values(const float* probs, const float* alpha, const V* const* values, int n, float* acc,
-                   const V* const* ahead, int n_ahead) {
+// kMaxTileKeys apart, acc kHeadDim apart), kDecodeVectors vectors of head_dim a pass; each
+// key of each pass is a step of `ahead` (AheadPieces).
+template <int64_t kHeadDim, int kRows, class V, class Stream>
+Stream decode_values(const float* probs, const float* alpha, const V* const* values, int n, float* acc,
+                     Stream ahead) {
   constexpr bool kHalves = std::is_same_v<V, bf16_t>;
   static_assert(kHeadDim % (kDecodeVectors * kLanes) == 0, "head_dim in whole passes");
-  constexpr int64_t kLineElements = 64 / static_cast<int64_t>(sizeof(V));
 #pragma GCC unroll 16
   for (int64_t d0 = 0; d0 < kHeadDim; d0 += kDecodeVectors * kLanes) {
     vfloat a[kRows][kDecodeVectors];
@@ -572,11 +631,7 @@ void decode_values(const float* probs, const float* alpha, const V* const* value
       for (int j = 0; j < kDecodeVectors; ++j)
         a[i][j] = vmul(vload(acc + i * kHeadDim + d0 + j * kLanes), vset1(alpha[i]));
     for (int r = 0; r < n; ++r) {
-      if (d0 == 0 && r < n_ahead)
-        for (int64_t e = 0; e < kHeadDim; e += kLineElements) {
-          vprefetch(ahead[2 * r] + e);
-          vprefetch(ahead[2 * r + 1] + e);
-        }
+      ahead.step(kRows * kDecodeVectors);
       if constexpr (kHalves) {
 #pragma GCC unroll 16
         for (int j = 0; j < kDecodeVectors; j += 2) {
@@ -605,6 +660,7 @@ void decode_values(const float* probs, const float* alpha, const V* const* value
 #pragma GCC unroll 16
       for (int j = 0; j < kDecodeVectors; ++j) vstore(acc + i * kHeadDim + d0 + j * kLanes, a[i][j]);
   }
+  return ahead;
 }
 
 // A task of one query token (t.num_tokens == 1, any number of KV heads): attend_tiles' outputs.
@@ -626,13 +682,18 @@ void attend_decode(const AttentionProblem& p, const AttentionTask& t, const Task
   const float* keys[kDecodeChunk];
   const bf16_t* bf16_keys[kDecodeChunk];
   const T* values[kDecodeChunk];
-  const T* ahead_rows[2 * kDecodeChunk];  // the next chunk's key and value rows of one KV head
-  KeyCursor cursor(p, t.key_begin), ahead(p, std::min(t.key_end, t.key_begin + kDecodeChunk));
+  KeyCursor cursor(p, t.key_begin), next(p, std::min(t.key_end, t.key_begin + kDecodeChunk));
+  using Ahead = AheadPieces<T, kHeadDim>;
+  const T* pieces[Ahead::kMaxPieces];
+  // A head's turn in vector FMAs (AheadPieces::step): scores (bf16's counted twice, as
+  // decode_scores_bf16 counts them) and values.
+  const int64_t score_units = (kHalves ? 2 : 1) * group * kDecodeChunk * (kHeadDim / kLanes);
+  const int64_t value_units_per_key = group * (kHeadDim / kLanes);
   for (int64_t key0 = t.key_begin; key0 < t.key_end; key0 += kDecodeChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kDecodeChunk, t.key_end - key0));
-    const int n_ahead = static_cast<int>(std::clamp<int64_t>(t.key_end - ahead.key, 0, kDecodeChunk));
+    const int n_next = static_cast<int>(std::clamp<int64_t>(t.key_end - next.key, 0, kDecodeChunk));
     cursor.take(p, table, t.kv_head, n, offsets);
-    ahead.take(p, table, t.kv_head, n_ahead, ahead_offsets);
+    next.take(p, table, t.kv_head, n_next, ahead_offsets);
     std::fill(keys + n, keys + kDecodeChunk, b.zeros);
     std::fill(bf16_keys + n, bf16_keys + kDecodeChunk, reinterpret_cast<const bf16_t*>(b.zeros));
     for (int64_t h = 0; h < t.num_heads; ++h) {
@@ -652,25 +713,25 @@ void attend_decode(const AttentionProblem& p, const AttentionTask& t, const Task
           vprefetch(values[r] + e);
         }
       }
-      for (int r = 0; r < n_ahead; ++r) {
-        ahead_rows[2 * r] = k_cache + ahead_offsets[r] + head;
-        ahead_rows[2 * r + 1] = v_cache + ahead_offsets[r] + head;
-      }
+      // The next chunk's rows of this head, asked for through this turn's arithmetic.
+      Ahead ahead = Ahead::list(k_cache, v_cache, ahead_offsets, n_next, head,
+                                score_units + value_units_per_key * n, pieces);
       float* probs = b.scores + h * group * kMaxTileKeys;
       if constexpr (kHalves) {
         for (int64_t g = 0; g < group; g += kDecodeRows) {
           const float* q = query + (h * group + g) * kHeadDim;
           float* s = probs + g * kMaxTileKeys;
           switch (std::min<int64_t>(kDecodeRows, group - g)) {
-            case 3: decode_scores_bf16<kHeadDim, 3>(q, bf16_keys, p.scale, s); break;
-            case 2: decode_scores_bf16<kHeadDim, 2>(q, bf16_keys, p.scale, s); break;
-            default: decode_scores_bf16<kHeadDim, 1>(q, bf16_keys, p.scale, s); break;
+            case 3: ahead = decode_scores_bf16<kHeadDim, 3>(q, bf16_keys, p.scale, s, ahead); break;
+            case 2: ahead = decode_scores_bf16<kHeadDim, 2>(q, bf16_keys, p.scale, s, ahead); break;
+            default: ahead = decode_scores_bf16<kHeadDim, 1>(q, bf16_keys, p.scale, s, ahead); break;
           }
         }
       }
       if constexpr (!kHalves)
         for (int64_t g = 0; g < group; ++g)
-          decode_scores<kHeadDim>(query + (h * group + g) * kHeadDim, keys, p.scale, probs + g * kMaxTileKeys);
+          ahead = decode_scores<kHeadDim>(query + (h * group + g) * kHeadDim, keys, p.scale, probs + g * kMaxTileKeys,
+                                          ahead);
       for (int64_t g = 0; g < group; g += kDecodeRows) {
         const int64_t m = h * group + g;
         float* s = probs + g * kMaxTileKeys;
@@ -680,17 +741,17 @@ void attend_decode(const AttentionProblem& p, const AttentionTask& t, const Task
           default: decode_softmax<1>(s, n, b.row_max + m, b.row_sum + m, b.alpha + m); break;
         }
       }
-      for (int64_t g = 0; g < group; g += kDecodeRows) {  // the first pass prefetches
+      for (int64_t g = 0; g < group; g += kDecodeRows) {
         const int64_t m = h * group + g;
         const float* pg = probs + g * kMaxTileKeys;
         float* acc = b.acc + m * kHeadDim;
-        const int prefetch = g == 0 ? n_ahead : 0;
         switch (std::min<int64_t>(kDecodeRows, group - g)) {
-          case 3: decode_values<kHeadDim, 3>(pg, b.alpha + m, values, n, acc, ahead_rows, prefetch); break;
-          case 2: decode_values<kHeadDim, 2>(pg, b.alpha + m, values, n, acc, ahead_rows, prefetch); break;
-          default: decode_values<kHeadDim, 1>(pg, b.alpha + m, values, n, acc, ahead_rows, prefetch); break;
+          case 3: ahead = decode_values<kHeadDim, 3>(pg, b.alpha + m, values, n, acc, ahead); break;
+          case 2: ahead = decode_values<kHeadDim, 2>(pg, b.alpha + m, values, n, acc, ahead); break;
+          default: ahead = decode_values<kHeadDim, 1>(pg, b.alpha + m, values, n, acc, ahead); break;
         }
       }
+      ahead.finish();
     }
   }
   if constexpr (kHalves) halves_order<true>(b.acc, rows, kHeadDim);
