@@ -19,10 +19,17 @@ Reported per build, batch x context and dtype: the median ms, GB/s over the byte
 must move, their share of the copy bandwidth, the time relative to the first build, and (where
 cheap) the largest difference from ``kernels.reference``.
 
+``--tables one-block`` points every block-table entry at block 0, so each call reads one
+block's K/V (a few KiB, in L1 after its first key): the kernel's arithmetic and bookkeeping
+alone, without waiting for memory. Its GB/s and share of the copy count the bytes a real step
+would move, so only its ms and speed are meaningful; set against the shuffled tables' times it
+shows how much of a call is waiting for memory.
+
 Usage::
 
     python bench/kernel_ab.py --builds HEAD,worktree --batches 64 --contexts 512
     python bench/kernel_ab.py --builds af9ec10,HEAD --dtypes float32 --rounds 15 --repeats 3
+    python bench/kernel_ab.py --builds HEAD,worktree --tables one-block
 """
 from __future__ import annotations
 
@@ -51,6 +58,7 @@ CSRC = "kernels/csrc"
 WORKTREE = "worktree"  # --builds: the checkout's kernels/csrc as it is now
 LIBRARY_BLOCKS = ("TORCH_LIBRARY_FRAGMENT(mini_infer,", "TORCH_LIBRARY_IMPL(mini_infer,")
 REFERENCE_MAX_KEYS = 64 * 512  # batch x context up to which outputs are checked against the reference
+TABLES = ("shuffled", "one-block")  # --tables: make_decode_inputs' block tables, or every entry block 0
 
 
 def build_sources(spec: str, root: Path = ROOT) -> dict[str, bytes]:
@@ -120,22 +128,31 @@ def load_build(spec: str, index: int, log=print):
 
 
 def compare(builds: list[str], modules: list, shape_name: str, dtypes, batches, contexts, rounds: int,
-            repeats: int, isa: str = "auto", log=print) -> dict:
+            repeats: int, isa: str = "auto", log=print, tables: str = "shuffled") -> dict:
     """Every combination, ``repeats`` times, each time ``rounds`` rounds of every build and the
-    copy in turn; returns the result as JSON-able data."""
+    copy in turn; returns the result as JSON-able data. ``tables``: one of TABLES.
+
+    Raises:
+        ValueError: for ``tables`` not in TABLES.
+    """
+    if tables not in TABLES:
+        raise ValueError(f"--tables must be one of {list(TABLES)}; got {tables!r}")
     from kernels import reference
 
     shape = SHAPES[shape_name]
     flush = torch.zeros(default_flush_bytes() // 4)
     copy = (torch.empty(COPY_BYTES, dtype=torch.uint8), torch.ones(COPY_BYTES, dtype=torch.uint8))
     result = {"date": datetime.date.today().isoformat(), **cpu_info(), "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "shape_name": shape_name, "isa": isa, "builds": builds,
+              "threads": torch.get_num_threads(), "shape_name": shape_name, "isa": isa, "tables": tables,
+              "builds": builds,
               "load_average_before": os.getloadavg(), "rows": []}
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         for context in contexts:
             for batch in batches:
                 inputs = make_decode_inputs(batch, context, shape, device="cpu", dtype=dtype)
+                if tables == "one-block":
+                    inputs["block_tables"] = torch.zeros_like(inputs["block_tables"])
                 args = [inputs[k] for k in ("query", "k_cache", "v_cache", "block_tables", "query_start_loc",
                                             "seq_lens", "scale")]
                 calls = {f"build {i}": (lambda m=m, args=args: m.paged_attention(*args, isa, 0, False))
@@ -184,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="times each combination is timed")
     parser.add_argument("--isa", default="auto", help="the kernels every build runs (paged_attention's isa)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
+    parser.add_argument("--tables", default="shuffled", choices=TABLES,
+                        help="block tables: shuffled over the cache, or every entry block 0 (the arithmetic "
+                             "alone, K/V in L1)")
     parser.add_argument("--out", type=Path, help="JSON path (default results/..., git-ignored)")
     args = parser.parse_args(argv)
     builds = [b.strip() for b in args.builds.split(",") if b.strip()]
@@ -196,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     result = compare(builds, modules, args.shape, args.dtypes.split(","), [int(b) for b in args.batches.split(",")],
-                     [int(c) for c in args.contexts.split(",")], args.rounds, args.repeats, args.isa)
+                     [int(c) for c in args.contexts.split(",")], args.rounds, args.repeats, args.isa,
+                     tables=args.tables)
     out = args.out or RESULTS / f"kernel-ab-{result['date']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

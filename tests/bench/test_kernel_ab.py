@@ -96,3 +96,29 @@ def test_compare_times_every_build_in_turns_against_the_first():
         assert first["gbps"] == pytest.approx(num_bytes / first["ms"] / 1e6, rel=0.01)
         assert second["max_abs_diff"] == 0.0 and 0.0 <= first["max_abs_diff"] < 1e-5
     assert len(lines) == 2 and lines[0].startswith(" float32 b2    ctx32    copy")
+
+
+def test_one_block_tables_read_block_zero_only():
+    from kernels import cpu_attention, reference
+
+    if not cpu_attention.is_available():
+        pytest.skip("the C++ CPU kernel must build")
+    seen = []
+
+    class Recorder:  # a stand-in build that keeps the block tables it was given
+        @staticmethod
+        def paged_attention(*args):
+            seen.append(args[3].clone())
+            return reference.paged_attention(*args[:7])
+
+    result = ab.compare(["HEAD", "recorder"], [cpu_attention.load(), Recorder], "smollm2-135m", ["float32"],
+                        [2], [40], rounds=1, repeats=1, log=lambda line: None, tables="one-block")
+    assert result["tables"] == "one-block"
+    assert seen and all(t.shape == (2, 3) and not t.any() for t in seen)  # 40 tokens: 3 blocks of 16
+    assert result["rows"][0]["builds"][1]["max_abs_diff"] == 0.0
+
+
+def test_unknown_tables_are_refused_naming_the_option():
+    with pytest.raises(ValueError, match=r"--tables must be one of \['shuffled', 'one-block'\]; got 'l1'"):
+        ab.compare(["a", "b"], [None, None], "smollm2-135m", ["float32"], [1], [16], rounds=1, repeats=1,
+                   tables="l1")
