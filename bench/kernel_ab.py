@@ -19,6 +19,11 @@ Reported per build, batch x context and dtype: the median ms, GB/s over the byte
 must move, their share of the copy bandwidth, the time relative to the first build, and (where
 cheap) the largest difference from ``kernels.reference``.
 
+``--tables in-order`` gives each sequence consecutive blocks of the pool, as an engine's tables
+mostly are when its sequences were admitted together and their prompts filled their blocks: the
+hardware prefetchers see one stream per sequence, where the default shuffled tables (a random
+permutation of the pool) leave every block's first lines to be missed or asked for.
+
 ``--tables one-block`` points every block-table entry at block 0, so each call reads one
 block's K/V (a few KiB, in L1 after its first key): the kernel's arithmetic and bookkeeping
 alone, without waiting for memory. Its GB/s and share of the copy count the bytes a real step
@@ -30,6 +35,7 @@ Usage::
     python bench/kernel_ab.py --builds HEAD,worktree --batches 64 --contexts 512
     python bench/kernel_ab.py --builds af9ec10,HEAD --dtypes float32 --rounds 15 --repeats 3
     python bench/kernel_ab.py --builds HEAD,worktree --tables one-block
+    python bench/kernel_ab.py --builds 8371f47,HEAD --tables in-order
 """
 from __future__ import annotations
 
@@ -58,7 +64,7 @@ CSRC = "kernels/csrc"
 WORKTREE = "worktree"  # --builds: the checkout's kernels/csrc as it is now
 LIBRARY_BLOCKS = ("TORCH_LIBRARY_FRAGMENT(mini_infer,", "TORCH_LIBRARY_IMPL(mini_infer,")
 REFERENCE_MAX_KEYS = 64 * 512  # batch x context up to which outputs are checked against the reference
-TABLES = ("shuffled", "one-block")  # --tables: make_decode_inputs' block tables, or every entry block 0
+TABLES = ("shuffled", "in-order", "one-block")  # --tables: see the module docstring
 
 
 def build_sources(spec: str, root: Path = ROOT) -> dict[str, bytes]:
@@ -153,6 +159,9 @@ def compare(builds: list[str], modules: list, shape_name: str, dtypes, batches, 
                 inputs = make_decode_inputs(batch, context, shape, device="cpu", dtype=dtype)
                 if tables == "one-block":
                     inputs["block_tables"] = torch.zeros_like(inputs["block_tables"])
+                elif tables == "in-order":
+                    tables_shape = inputs["block_tables"].shape
+                    inputs["block_tables"] = torch.arange(tables_shape.numel(), dtype=torch.int32).view(tables_shape)
                 args = [inputs[k] for k in ("query", "k_cache", "v_cache", "block_tables", "query_start_loc",
                                             "seq_lens", "scale")]
                 calls = {f"build {i}": (lambda m=m, args=args: m.paged_attention(*args, isa, 0, False))
@@ -202,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--isa", default="auto", help="the kernels every build runs (paged_attention's isa)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
     parser.add_argument("--tables", default="shuffled", choices=TABLES,
-                        help="block tables: shuffled over the cache, or every entry block 0 (the arithmetic "
-                             "alone, K/V in L1)")
+                        help="block tables: shuffled over the cache, each sequence's blocks consecutive "
+                             "(in-order), or every entry block 0 (the arithmetic alone, K/V in L1)")
     parser.add_argument("--out", type=Path, help="JSON path (default results/..., git-ignored)")
     args = parser.parse_args(argv)
     builds = [b.strip() for b in args.builds.split(",") if b.strip()]

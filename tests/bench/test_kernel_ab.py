@@ -118,7 +118,23 @@ def test_one_block_tables_read_block_zero_only():
     assert result["rows"][0]["builds"][1]["max_abs_diff"] == 0.0
 
 
+def test_in_order_tables_give_each_sequence_consecutive_blocks():
+    from kernels import reference
+
+    seen = []
+
+    class Recorder:
+        @staticmethod
+        def paged_attention(*args):
+            seen.append(args[3].clone())
+            return reference.paged_attention(*args[:7])
+
+    ab.compare(["a", "b"], [Recorder, Recorder], "smollm2-135m", ["float32"], [2], [40], rounds=1, repeats=1,
+               log=lambda line: None, tables="in-order")
+    assert seen and all(t.tolist() == [[0, 1, 2], [3, 4, 5]] for t in seen)
+
+
 def test_unknown_tables_are_refused_naming_the_option():
-    with pytest.raises(ValueError, match=r"--tables must be one of \['shuffled', 'one-block'\]; got 'l1'"):
+    with pytest.raises(ValueError, match=r"--tables must be one of \['shuffled', 'in-order', 'one-block'\]; got 'l1'"):
         ab.compare(["a", "b"], [None, None], "smollm2-135m", ["float32"], [1], [16], rounds=1, repeats=1,
                    tables="l1")
