@@ -449,9 +449,10 @@ constexpr int kDecodeVectors = 4;  // vectors of head_dim per pass: 3 x 4 accumu
 // rows of that head are listed in pieces of kGrainLines lines (list), and the turn's score and
 // value loops ask for them in proportion to the work done (step). A value type: the loops take
 // it by value and hand it on, so its state stays in registers (kept in the caller's memory, its
-// bookkeeping cost a third of the kernel's time from L1). Against 8371f47 (the next chunk's
-// rows of a head asked for a key at a time in its first value pass), b64 x ctx512, 2 threads,
-// LLC flushed: docs/PERFORMANCE.md, "The next chunk asked for through the arithmetic".
+// bookkeeping made the arithmetic 1.2-1.4x as long: bf16 1.22 against 0.99 ms, fp32 1.47
+// against 1.05, two threads, K/V in L1). Against 8371f47 (the next chunk's rows of a head
+// asked for a key at a time in its first value pass), b64 x ctx512, 2 threads, LLC flushed:
+// docs/PERFORMANCE.md, "The next chunk asked for through the arithmetic".
 template <class T, int64_t kHeadDim>
 struct AheadPieces {
   static constexpr int64_t kLineElements = 64 / static_cast<int64_t>(sizeof(T));
