@@ -133,6 +133,16 @@ def load_build(spec: str, index: int, log=print):
                           extra_cflags=BUILD_CFLAGS, extra_ldflags=BUILD_LDFLAGS, verbose=False)
 
 
+def block_tables(shuffled: torch.Tensor, tables: str) -> torch.Tensor:
+    """``make_decode_inputs``' shuffled block tables ([batch, blocks per sequence], int32) as
+    ``tables`` (one of TABLES) asks: as they are, numbered in order row by row, or all block 0."""
+    if tables == "in-order":
+        return torch.arange(shuffled.numel(), dtype=shuffled.dtype).view(shuffled.shape)
+    if tables == "one-block":
+        return torch.zeros_like(shuffled)
+    return shuffled
+
+
 def compare(builds: list[str], modules: list, shape_name: str, dtypes, batches, contexts, rounds: int,
             repeats: int, isa: str = "auto", log=print, tables: str = "shuffled") -> dict:
     """Every combination, ``repeats`` times, each time ``rounds`` rounds of every build and the
@@ -157,11 +167,7 @@ def compare(builds: list[str], modules: list, shape_name: str, dtypes, batches, 
         for context in contexts:
             for batch in batches:
                 inputs = make_decode_inputs(batch, context, shape, device="cpu", dtype=dtype)
-                if tables == "one-block":
-                    inputs["block_tables"] = torch.zeros_like(inputs["block_tables"])
-                elif tables == "in-order":
-                    tables_shape = inputs["block_tables"].shape
-                    inputs["block_tables"] = torch.arange(tables_shape.numel(), dtype=torch.int32).view(tables_shape)
+                inputs["block_tables"] = block_tables(inputs["block_tables"], tables)
                 args = [inputs[k] for k in ("query", "k_cache", "v_cache", "block_tables", "query_start_loc",
                                             "seq_lens", "scale")]
                 calls = {f"build {i}": (lambda m=m, args=args: m.paged_attention(*args, isa, 0, False))

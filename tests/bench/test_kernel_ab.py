@@ -98,30 +98,9 @@ def test_compare_times_every_build_in_turns_against_the_first():
     assert len(lines) == 2 and lines[0].startswith(" float32 b2    ctx32    copy")
 
 
-def test_one_block_tables_read_block_zero_only():
-    from kernels import cpu_attention, reference
-
-    if not cpu_attention.is_available():
-        pytest.skip("the C++ CPU kernel must build")
-    seen = []
-
-    class Recorder:  # a stand-in build that keeps the block tables it was given
-        @staticmethod
-        def paged_attention(*args):
-            seen.append(args[3].clone())
-            return reference.paged_attention(*args[:7])
-
-    result = ab.compare(["HEAD", "recorder"], [cpu_attention.load(), Recorder], "smollm2-135m", ["float32"],
-                        [2], [40], rounds=1, repeats=1, log=lambda line: None, tables="one-block")
-    assert result["tables"] == "one-block"
-    assert seen and all(t.shape == (2, 3) and not t.any() for t in seen)  # 40 tokens: 3 blocks of 16
-    assert result["rows"][0]["builds"][1]["max_abs_diff"] == 0.0
-
-
-def test_in_order_tables_give_each_sequence_consecutive_blocks():
+def table_recorder(seen: list):
+    """A stand-in build that answers with the reference and keeps the block tables it was given."""
     from kernels import reference
-
-    seen = []
 
     class Recorder:
         @staticmethod
@@ -129,7 +108,26 @@ def test_in_order_tables_give_each_sequence_consecutive_blocks():
             seen.append(args[3].clone())
             return reference.paged_attention(*args[:7])
 
-    ab.compare(["a", "b"], [Recorder, Recorder], "smollm2-135m", ["float32"], [2], [40], rounds=1, repeats=1,
+    return Recorder
+
+
+def test_one_block_tables_read_block_zero_only():
+    from kernels import cpu_attention
+
+    if not cpu_attention.is_available():
+        pytest.skip("the C++ CPU kernel must build")
+    seen = []
+    result = ab.compare(["HEAD", "recorder"], [cpu_attention.load(), table_recorder(seen)], "smollm2-135m", ["float32"],
+                        [2], [40], rounds=1, repeats=1, log=lambda line: None, tables="one-block")
+    assert result["tables"] == "one-block"
+    assert seen and all(t.shape == (2, 3) and not t.any() for t in seen)  # 40 tokens: 3 blocks of 16
+    assert result["rows"][0]["builds"][1]["max_abs_diff"] == 0.0
+
+
+def test_in_order_tables_give_each_sequence_consecutive_blocks():
+    seen = []
+    recorder = table_recorder(seen)
+    ab.compare(["a", "b"], [recorder, recorder], "smollm2-135m", ["float32"], [2], [40], rounds=1, repeats=1,
                log=lambda line: None, tables="in-order")
     assert seen and all(t.tolist() == [[0, 1, 2], [3, 4, 5]] for t in seen)
 
