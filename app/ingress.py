@@ -270,7 +270,8 @@ class OpenAIIngress:
             first = await call.stream.__anext__()  # accepted, or the engine's 4xx, before any header
         except asyncio.CancelledError:
             call.close()
-            self._client_gone(request, "while the request was being admitted")
+            # a stream's first record is its first output; an unstreamed request's, its whole result
+            self._client_gone(request, "before the first token" if body.stream else "before the response was complete")
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
             call.close()

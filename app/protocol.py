@@ -604,12 +604,11 @@ class ChatCompletionRequest(SamplingRequest):
             raise InvalidRequestError(str(exc).replace("max_tokens", "max_completion_tokens"), param) from None
 
     def client_param(self, message: str, param: str | None) -> tuple[str, str | None]:
-        """As ``SamplingRequest.client_param``; the engine's length errors say
-        ``max_tokens (n)``, which reads ``max_completion_tokens (n)`` where the request set
-        that."""
+        """As ``SamplingRequest.client_param``; the engine's length errors name
+        ``max_tokens``, which reads ``max_completion_tokens`` where the request set that."""
         message, param = super().client_param(message, param)
         if self.max_completion_tokens is not None:
-            message = message.replace("max_tokens (", "max_completion_tokens (")
+            message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", message)
         return message, param
 
     def engine_prompt(self) -> dict:

@@ -69,9 +69,13 @@ class Scheduler:
         if num_prompt_tokens == 0:
             raise InvalidRequestError("the prompt is empty: it must have at least 1 token", "prompt")
         if num_prompt_tokens + max_tokens > max_model_len:
+            # param "prompt" either way, as OpenAI's context_length_exceeded names the input;
+            # where the prompt alone fits, the message says how many output tokens can follow it
+            room = max_model_len - num_prompt_tokens
+            fits = f": max_tokens can be at most {room} after this prompt" if room >= 1 else ""
             raise ContextLengthExceededError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                f"{num_prompt_tokens + max_tokens} tokens exceeds max_model_len ({max_model_len})",
+                f"{num_prompt_tokens + max_tokens} tokens exceeds max_model_len ({max_model_len}){fits}",
                 "prompt")
         # The last sampled token is never fed back, so its K/V never needs a slot.
         num_blocks = self.block_manager.num_blocks_for(num_prompt_tokens + max_tokens - 1)

@@ -74,6 +74,13 @@ def _error_cases():
         ("max_completion_tokens over max_model_len", "/v1/chat/completions",
          {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 8190}, 400,
          "messages", "context_length_exceeded", "+ max_completion_tokens (8190) = "),
+        ("max_completion_tokens over max_model_len: the room left", "/v1/chat/completions",
+         {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 8190}, 400,
+         "messages", "context_length_exceeded", "): max_completion_tokens can be at most "),
+        ("max_tokens over max_model_len", "/v1/completions", {**ok, "prompt": [1, 2], "max_tokens": 9000}, 400,
+         "prompt", "context_length_exceeded",
+         "prompt (2 tokens) + max_tokens (9000) = 9002 tokens exceeds max_model_len (8192): max_tokens can be "
+         "at most 8190 after this prompt"),
         ("empty body", "/v1/completions", "", 400, None, None, "the request body (a JSON object) is required"),
         ("null body", "/v1/completions", "null", 400, None, None, "the request body must be a JSON object"),
         ("non-string text part", "/v1/chat/completions",

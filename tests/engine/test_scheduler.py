@@ -134,8 +134,12 @@ def test_requests_that_can_never_fit_are_rejected_when_added():
     s = make_scheduler(num_blocks=4, block_size=4, max_model_len=32)
     with pytest.raises(ValueError, match="prompt is empty"):
         s.add_request(make_request("empty", 0))
-    with pytest.raises(ValueError, match=r"exceeds max_model_len \(32\)"):
+    with pytest.raises(ValueError, match=r"^prompt \(30 tokens\) \+ max_tokens \(3\) = 33 tokens exceeds "
+                       r"max_model_len \(32\): max_tokens can be at most 2 after this prompt$"):
         s.add_request(make_request("long", 30, max_tokens=3))
+    with pytest.raises(ValueError, match=r"^prompt \(32 tokens\) \+ max_tokens \(1\) = 33 tokens exceeds "
+                       r"max_model_len \(32\)$"):  # no output token fits: nothing to suggest
+        s.add_request(make_request("longer", 32, max_tokens=1))
     with pytest.raises(ValueError, match=r"needs 5 KV blocks, more than the whole KV cache \(4 blocks"):
         s.add_request(make_request("big", 16, max_tokens=2))
     s.add_request(make_request("fits", 16, max_tokens=1))  # exactly 4 blocks: the pool
