@@ -10,9 +10,19 @@ TTFT, TPOT, ITL and end-to-end percentiles, and goodput: requests/s that met the
 (``--slo-ttft-s`` and ``--slo-tpot-s``). The ``AsyncLLM`` run uses the same engine settings
 as a server started from this environment (defaults, then ``MINI_INFER_*`` variables), so
 ``http / direct`` ratios show what HTTP, Serve and Ray cost. ``--repeats N`` runs N rounds of
-one HTTP and one direct run back to back (each round with its own ``cache_salt``, so that no
-round finds an earlier one's prompts in the prefix cache) and reports the median of the
-rounds' ratios: on a VM whose speed drifts, single runs swing by 10%.
+one HTTP and one direct run back to back and reports the median of the rounds' ratios: on a
+VM whose speed drifts, single runs swing by 10%. Every run sends its requests with a
+``cache_salt`` of its own (this invocation's id, the round and the rate), so that no run finds
+another's prompts in the prefix cache, an earlier invocation's against the same service
+included.
+
+``--client-sched idle`` runs the HTTP runs' client in a process of its own at Linux's
+``SCHED_IDLE`` priority, so that on a small host the load generator's own CPU (aiohttp, one
+JSON parse per streamed chunk) is spent where the service leaves a CPU idle instead of
+preempting it; the direct run is unchanged (its consumer is the engine's own process). On
+the 2-core AMD EPYC (AVX2) of docs/PERFORMANCE.md, HTTP alone on fresh servers in turns:
+median 88.0 output tok/s (6 servers, 71.9-94.6) with the client at SCHED_IDLE, 80.4 (8
+servers, 71.8-89.1) without (``bench/results/serving-w1-http-only-priorities-*``).
 
 With ``--replicas N`` it serves the app itself instead (a local Ray, Serve on 127.0.0.1:8000,
 N engine replicas) once per request router of ``--router`` (``AppConfig.request_router``), in
@@ -26,11 +36,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import math
+import multiprocessing
+import os
 import random
 import statistics
 import time
+import uuid
 from pathlib import Path
 
 import aiohttp
@@ -131,12 +145,19 @@ def summarize(records: list[Record], seconds: float, slo_ttft: float, slo_tpot: 
             "e2e_s": percentiles([m["e2e"] for m in metrics])}
 
 
+def rate_salt(cache_salt: str | None, rate: float) -> str:
+    """The ``cache_salt`` of one rate's run: each rate's requests find none of an earlier
+    rate's prompts in the prefix cache (the same requests are sent at every rate)."""
+    return f"rate-{rate}" if cache_salt is None else f"{cache_salt}-rate-{rate}"
+
+
 async def bench_http(url: str, model: str, requests, rates, seed, slo, cache_salt: str | None = None) -> dict:
     results = {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         for rate in rates:
-            send = lambda r, rec: _http_request(session, url, model, r, rec, cache_salt)  # noqa: E731
+            salt = rate_salt(cache_salt, rate)
+            send = lambda r, rec, salt=salt: _http_request(session, url, model, r, rec, salt)  # noqa: E731
             records, seconds = await run_schedule(send, requests, arrival_offsets(len(requests), rate, seed))
             results[str(rate)] = summarize(records, seconds, *slo)
             replicas = [r.replica for r in records if r.replica is not None]
@@ -145,12 +166,41 @@ async def bench_http(url: str, model: str, requests, rates, seed, slo, cache_sal
     return results
 
 
+def _bench_http_sync(*args) -> dict:
+    return asyncio.run(bench_http(*args))
+
+
+def _sched_idle() -> None:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # threads started later inherit it
+
+
+def http_client(sched: str) -> concurrent.futures.ProcessPoolExecutor | None:
+    """Where the HTTP runs' client runs (``--client-sched``): ``None`` for this process
+    (``normal``); for ``idle``, a spawned process at ``SCHED_IDLE``, already started (its
+    start-up is not measured).
+
+    Raises:
+        SystemExit: ``idle`` where the OS has no ``SCHED_IDLE`` (not Linux).
+    """
+    if sched == "normal":
+        return None
+    if not hasattr(os, "SCHED_IDLE"):
+        raise SystemExit("--client-sched idle needs Linux's SCHED_IDLE scheduling policy")
+    client = concurrent.futures.ProcessPoolExecutor(
+        max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_sched_idle)
+    client.submit(os.getpid).result()
+    return client
+
+
+def http_run(client: concurrent.futures.ProcessPoolExecutor | None, *args) -> dict:
+    """``bench_http(*args)`` in ``client`` (``http_client``), or here where it is ``None``."""
+    return _bench_http_sync(*args) if client is None else client.submit(_bench_http_sync, *args).result()
+
+
 def bench_routers(args, requests, rates, slo) -> dict:
     """``bench_http`` against the app served here with ``args.replicas`` engine replicas, once
     per router and repeat (the order alternates); each run on fresh replicas (empty caches),
     with the cluster's prefix-cache hit rate from ``/stats`` after it."""
-    import os
-
     import ray
     import requests as http
     from ray import serve
@@ -161,6 +211,7 @@ def bench_routers(args, requests, rates, slo) -> dict:
     routers = args.router.split(",")
     runs = {router: [] for router in routers}
     ray.init(include_dashboard=False)
+    client = http_client(args.client_sched)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 8000})
         for repeat in range(args.repeats):
@@ -170,7 +221,7 @@ def bench_routers(args, requests, rates, slo) -> dict:
                     settings["kv_cache_memory_gb"] = args.kv_cache_memory_gb
                 serve.run(build_app(settings), name="default", route_prefix="/")
                 _wait_ready(http, args.url, args.replicas)
-                run = asyncio.run(bench_http(args.url, args.model, requests, rates, args.seed, slo))
+                run = http_run(client, args.url, args.model, requests, rates, args.seed, slo)
                 stats = http.get(args.url + "/stats", timeout=30).json()["replicas"]
                 queries = sum(s["prefix_cache_queries"] for s in stats)
                 for summary in run.values():
@@ -182,6 +233,8 @@ def bench_routers(args, requests, rates, slo) -> dict:
                     f"shares {r['replica_shares']}" for rate, r in run.items()), flush=True)
                 serve.delete("default")
     finally:
+        if client is not None:
+            client.shutdown()
         serve.shutdown()
         ray.shutdown()
     return runs
@@ -231,7 +284,8 @@ def direct_engine(model: str):
 async def bench_direct(llm, requests, rates, seed, slo, cache_salt: str | None = None) -> dict:
     results = {}
     for rate in rates:
-        send = lambda r, rec: _direct_request(llm, r, rec, cache_salt)  # noqa: E731
+        salt = rate_salt(cache_salt, rate)
+        send = lambda r, rec, salt=salt: _direct_request(llm, r, rec, salt)  # noqa: E731
         records, seconds = await run_schedule(send, requests, arrival_offsets(len(requests), rate, seed))
         results[str(rate)] = summarize(records, seconds, *slo)
     return results
@@ -280,10 +334,13 @@ def main() -> None:
                         "to compare (AppConfig.request_router), comma-separated; ratios are the first "
                         "over each other")
     parser.add_argument("--repeats", type=int, default=1, help="runs per router (with --replicas), or "
-                        "HTTP and direct runs, alternating, each repeat with its own cache_salt so "
-                        "that no repeat finds an earlier one's prefixes in the cache")
+                        "HTTP and direct runs, alternating (every run with a cache_salt of its own, so "
+                        "that none finds another's prefixes in the cache)")
     parser.add_argument("--kv-cache-memory-gb", type=float, help="with --replicas: each engine "
                         "replica's KV cache (default: the engine's)")
+    parser.add_argument("--client-sched", choices=("normal", "idle"), default="normal",
+                        help="the HTTP client's CPU priority: idle runs it in a process of its own "
+                        "at SCHED_IDLE (Linux), so that it does not preempt the service on a small host")
     args = parser.parse_args()
 
     workload = load_workload(args.workload)
@@ -293,7 +350,8 @@ def main() -> None:
     if args.replicas:
         runs = bench_routers(args, requests, rates, slo)
         result = {"workload": workload["name"], "num_requests": len(requests), "model": args.model,
-                  "replicas": args.replicas, "machine": machine_info(), "routers": runs,
+                  "replicas": args.replicas, "client_sched": args.client_sched, "machine": machine_info(),
+                  "routers": runs,
                   "ratios": router_ratios(runs)}
         path = write_result(f"serving-routers-{workload['name']}", result, args.out)
         for name, ratio in result["ratios"].items():
@@ -303,7 +361,8 @@ def main() -> None:
     repeats = run_repeats(args, requests, rates, slo)
     http, direct = repeats[0]["http"], repeats[0]["direct"]
     result = {"workload": workload["name"], "num_requests": len(requests), "model": args.model,
-              "slo": {"ttft_s": slo[0], "tpot_s": slo[1]}, "machine": machine_info(),
+              "slo": {"ttft_s": slo[0], "tpot_s": slo[1]}, "client_sched": args.client_sched,
+              "machine": machine_info(),
               "http": http, "direct": direct, "http_over_direct": http_over_direct(repeats)}
     if args.repeats > 1:
         result["repeats"] = repeats
@@ -325,17 +384,20 @@ def main() -> None:
 
 def run_repeats(args, requests, rates, slo) -> list[dict]:
     """``args.repeats`` rounds of one HTTP and one direct run (the order alternates), round
-    ``i`` with ``cache_salt`` ``"repeat-i"`` where there is more than one. The direct engine
+    ``i`` with ``cache_salt`` ``"<id>-repeat-i"`` (``id`` this call's; ``rate_salt`` adds the
+    rate). The direct engine
     is built once, before the first round (its start-up is not measured)."""
     llm = None if args.skip_direct else direct_engine(args.model)
+    client = http_client(args.client_sched)
+    run_id = uuid.uuid4().hex[:8]  # a second run against the same service finds nothing of this one's cached
     repeats = []
     try:
         for i in range(args.repeats):
-            salt = f"repeat-{i}" if args.repeats > 1 else None
+            salt = f"{run_id}-repeat-{i}"
             run = {}
             for mode in ("http", "direct") if i % 2 == 0 else ("direct", "http"):
                 if mode == "http":
-                    run["http"] = asyncio.run(bench_http(args.url, args.model, requests, rates, args.seed, slo, salt))
+                    run["http"] = http_run(client, args.url, args.model, requests, rates, args.seed, slo, salt)
                 else:
                     run["direct"] = {} if llm is None else asyncio.run(
                         bench_direct(llm, requests, rates, args.seed, slo, salt))
@@ -346,6 +408,8 @@ def run_repeats(args, requests, rates, slo) -> list[dict]:
                     + " tok/s" for rate in run["http"]), flush=True)
             repeats.append(run)
     finally:
+        if client is not None:
+            client.shutdown()
         if llm is not None:
             llm.shutdown()
     return repeats
