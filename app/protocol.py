@@ -600,16 +600,20 @@ class ChatCompletionRequest(SamplingRequest):
         except InvalidRequestError as exc:
             if self.max_completion_tokens is None or exc.param not in ("max_tokens", "min_tokens"):
                 raise
-            param = "max_completion_tokens" if exc.param == "max_tokens" else exc.param
-            raise InvalidRequestError(str(exc).replace("max_tokens", "max_completion_tokens"), param) from None
+            raise InvalidRequestError(self._as_sent(str(exc)), self._as_sent(exc.param)) from None
 
     def client_param(self, message: str, param: str | None) -> tuple[str, str | None]:
         """As ``SamplingRequest.client_param``; the engine's length errors name
         ``max_tokens``, which reads ``max_completion_tokens`` where the request set that."""
         message, param = super().client_param(message, param)
-        if self.max_completion_tokens is not None:
-            message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", message)
-        return message, param
+        return self._as_sent(message), param
+
+    def _as_sent(self, text: str) -> str:
+        """``text`` naming ``max_completion_tokens`` instead of ``max_tokens`` where the request
+        set that field (the engine knows only ``max_tokens``)."""
+        if self.max_completion_tokens is None:
+            return text
+        return text.replace("max_tokens", "max_completion_tokens")
 
     def engine_prompt(self) -> dict:
         """The conversation with ``LLMEngine.chat_prompt``'s options."""

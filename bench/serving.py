@@ -210,8 +210,8 @@ def bench_routers(args, requests, rates, slo) -> dict:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     routers = args.router.split(",")
     runs = {router: [] for router in routers}
+    client = http_client(args.client_sched)  # before Ray: refused here, nothing to shut down
     ray.init(include_dashboard=False)
-    client = http_client(args.client_sched)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 8000})
         for repeat in range(args.repeats):
@@ -387,8 +387,8 @@ def run_repeats(args, requests, rates, slo) -> list[dict]:
     ``i`` with ``cache_salt`` ``"<id>-repeat-i"`` (``id`` this call's; ``rate_salt`` adds the
     rate). The direct engine
     is built once, before the first round (its start-up is not measured)."""
+    client = http_client(args.client_sched)  # before the engine: refused here, nothing to shut down
     llm = None if args.skip_direct else direct_engine(args.model)
-    client = http_client(args.client_sched)
     run_id = uuid.uuid4().hex[:8]  # a second run against the same service finds nothing of this one's cached
     repeats = []
     try:
