@@ -94,13 +94,19 @@ struct Fp8Kernels {
   void (*from_f16)(const fp16_t* in, F* out, int64_t n);
 };
 
+// The head sizes that attention_tile.h's attend_decode is compiled for (one query token, all its
+// KV heads): other head sizes' decode tasks go through attend_tiles.
+constexpr bool decode_kernel_head_dim(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+
 // The kernels of one instruction set: attention per query dtype over a cache of the same dtype;
 // the activation; attention over and stores into each fp8 cache format.
 struct IsaKernels {
   const char* name;
   int64_t head_dim_multiple;  // head_dim must be a multiple of this (one vector)
   AttendFn attend_f32, attend_bf16, attend_f16;
-  bool whole_decode_tokens;  // a decode token is one task of all its KV heads (attend_decode)
+  // A decode token is one task of all its KV heads at every head_dim, not only at those that
+  // attend_decode takes (decode_kernel_head_dim), where it always is.
+  bool whole_decode_tokens;
   SiluAndMulFn silu_and_mul_bf16;
   Fp8Kernels<fp8e5m2_t> e5m2;
   Fp8Kernels<fp8e4m3_t> e4m3;

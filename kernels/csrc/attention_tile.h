@@ -416,7 +416,6 @@ void attend_tiles(const AttentionProblem& p, const AttentionTask& t, const TaskB
 #endif
 }
 
-#ifdef MINI_INFER_DECODE_KERNEL
 // ---------------------------------------------------------------- decode: one query token
 //
 // A task of one query token (the GQA group of query rows of each of its KV heads) walks its
@@ -435,7 +434,10 @@ void attend_tiles(const AttentionProblem& p, const AttentionTask& t, const TaskB
 // fp32 and their widening takes two instructions per 16 elements; the query rows and the
 // accumulators are kept in that order (halves_order) and put back at the end of the task.
 // Zen 3 EPYC (AVX2), 2 threads, SmolLM2's heads, LLC flushed, against attend_tiles in turns:
-// docs/PERFORMANCE.md, "A decode kernel for AVX2", and "bf16 read in halves" after it.
+// docs/PERFORMANCE.md, "A decode kernel for AVX2", and "bf16 read in halves" after it. The
+// AVX-512 kernels, on a Zen 5 EPYC (avx512_bf16, whose attend_tiles dotted bf16 pairs with
+// vdpbf16ps): 1.14-1.6x as fast, bf16 0.55-0.65 -> 0.76-0.83 of copy at batch 16-256 x
+// context 512, fp32 0.53-0.59 -> 0.73-0.79 ("attend_decode with the AVX-512 kernels").
 
 constexpr int kDecodeChunk = static_cast<int>(kMaxTileKeys);  // keys per softmax update
 constexpr int kDecodeRows = 3;     // query rows per pass over the values
@@ -757,24 +759,14 @@ void attend_decode(const AttentionProblem& p, const AttentionTask& t, const Task
   }
   if constexpr (kHalves) halves_order<true>(b.acc, rows, kHeadDim);
 }
-#endif
-
-// Whether the driver makes a decode token one task of all its KV heads (IsaKernels): where
-// attend_decode takes them.
-#ifdef MINI_INFER_DECODE_KERNEL
-constexpr bool kWholeDecodeTokens = true;
-#else
-constexpr bool kWholeDecodeTokens = false;
-#endif
 
 // One task (AttentionTask): fills b.acc, b.row_max and b.row_sum; the caller normalises. Q is
 // the query's element type, T the cache's.
 template <class Q, class T = Q>
 void attend(const AttentionProblem& p, const AttentionTask& t, const TaskBuffers& b) {
-#ifdef MINI_INFER_DECODE_KERNEL
+  // decode_kernel_head_dim's sizes
   if (t.num_tokens == 1 && p.head_dim == 64) return attend_decode<Q, T, 64>(p, t, b);
   if (t.num_tokens == 1 && p.head_dim == 128) return attend_decode<Q, T, 128>(p, t, b);
-#endif
   switch (p.head_dim) {  // the common head sizes get unrolled loops
     case 64:
       return t.num_heads == 1 ? attend_tiles<Q, T, 64, true>(p, t, b) : attend_tiles<Q, T, 64, false>(p, t, b);

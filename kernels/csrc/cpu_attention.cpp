@@ -318,8 +318,9 @@ void run_plan(const Plan& plan, const AttentionProblem& problem, int64_t num_kv_
   // A block holds every KV head's row of a token side by side, so the sequence's blocks then
   // pass through one core's caches, not two. Decode, 2 threads, an AMD EPYC (avx512_bf16),
   // medians of 7 alternating rounds against one task at a time: bf16 0.79-0.83x the time
-  // (b64 x ctx512 0.963 -> 0.796 ms), fp32 0.88-0.96x. (With the AVX2 kernels decode
-  // tokens are whole tasks: see paged_attention.)
+  // (b64 x ctx512 0.963 -> 0.796 ms), fp32 0.88-0.96x. (Where attend_decode takes the
+  // head_dim, and with the AVX2 kernels always, decode tokens are whole tasks: see
+  // paged_attention.)
   const bool claim_heads = !plan.whole_decode_tokens && num_work >= kTasksPerThread * workers * num_kv_heads;
   const int64_t claim = claim_heads ? num_kv_heads : 1;
   std::atomic<int64_t> next{0};
@@ -410,15 +411,15 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
                          k_cache.size(2), k_cache.size(0)};
   check_batch(shape, problem);
   const IsaKernels& kernels = select_kernels(isa, head_dim);
-  // With the AVX2 (and scalar) kernels a decode token is one task, all KV heads together,
-  // through attend_decode: a key position's rows of every KV head lie side by side, so a task
-  // reads each block once, front to back (Zen 3 EPYC, 2 threads, SmolLM2's heads, LLC flushed:
-  // fp32 0.39-0.41 -> 0.41-0.43 of copy at batch 64 x context 512 with attend_tiles, and
-  // attend_decode, which needs such tasks, took both dtypes further: docs/PERFORMANCE.md, "A
-  // decode kernel for AVX2"). With the AVX-512 kernels whole tasks ran 0.85-0.89x as fast at
-  // batch 16-256 (Xeon with AMX, 2 threads, 1 GiB flushed) and bf16 ones 0.78-0.83x on both
-  // CPUs, so there a task is one KV head.
-  const bool whole_decode_tokens = kernels.whole_decode_tokens;
+  // A decode token is one task, all KV heads together, where attend_decode takes its head_dim
+  // (every instruction set) and at every head_dim with the AVX2 and scalar kernels: a key
+  // position's rows of every KV head lie side by side, so a task reads each block once, front
+  // to back, and attend_decode, which needs such tasks, brought both dtypes to 0.7-0.8 of the
+  // copy bandwidth on a Zen 5 EPYC's AVX-512 kernels and a Zen 3's AVX2 ones
+  // (docs/PERFORMANCE.md, "A decode kernel for AVX2", "attend_decode with the AVX-512
+  // kernels"). Through attend_tiles, the AVX-512 kernels' whole tasks ran 0.78-0.89x as fast
+  // as one task per KV head (attention_kernels.cpp), so there they stay one per KV head.
+  const bool whole_decode_tokens = kernels.whole_decode_tokens || mini_infer::decode_kernel_head_dim(head_dim);
   const bool sdpa = sdpa_prefill && query.scalar_type() == torch::kBFloat16;
   const Plan plan = plan_work(shape, group, num_splits, whole_decode_tokens, sdpa);
   auto out = torch::empty_like(query);

@@ -110,6 +110,22 @@ inline vfloat vreduce_rows(const vfloat* rows) {
 // deleted every call of a function that does nothing but prefetch.
 inline void vprefetch(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
 
+// bf16 elements p[0, 2 kLanes) as two vectors, without reordering across lanes: lane i of
+// `even` is p[2i], of `odd` p[2i + 1] (as vec_avx2.h's, 32 elements a load).
+inline void vload_halves(const bf16_t* p, vfloat& even, vfloat& odd) {
+  const __m512i pairs = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// *p in every lane, loaded where it is used (vec_avx2.h says why: a volatile asm, so that the
+// compiler keeps no broadcast in a register past its use). "v": any of the 32 registers.
+inline vfloat vbroadcast_once(const float* p) {
+  vfloat v;
+  asm volatile("vbroadcastss %1, %0" : "=v"(v) : "m"(*p));
+  return v;
+}
+
 #ifdef MINI_INFER_NATIVE_BF16
 constexpr bool kNativeBf16Dot = true;
 

@@ -33,10 +33,13 @@ SHAPES = {
     "mixed-g1-d80-b16": (MIXED, 2, 2, 80, 16),
     "mixed-g7-d128-b8": (MIXED, 14, 2, 128, 8),
     "long-decode-g3-d64-b16": ([(1000, 1), (2047, 1), (513, 1)], 9, 3, 64, 16),
-    # enough tasks that each thread claims a sequence's KV heads together (run_plan)
+    # enough tasks that each thread claims a sequence's KV heads together (run_plan), where
+    # the decode tasks are one KV head: the AVX-512 kernels' at a head_dim that attend_decode
+    # does not take (80); at 64 every kernel takes whole decode tokens
     "many-decodes-g3-d64-b16": ([(40 + 7 * (i % 24), 1) for i in range(48)], 9, 3, 64, 16),
-    # a decode task of all 8 KV heads (avx2 and scalar take whole decode tokens, through
-    # attend_decode): 32 query rows, each head's at its own offset
+    "many-decodes-g3-d80-b16": ([(40 + 7 * (i % 24), 1) for i in range(48)], 9, 3, 80, 16),
+    # a decode task of all 8 KV heads (every instruction set takes whole decode tokens at
+    # head_dim 64 and 128, through attend_decode): 32 query rows, each head's at its own offset
     "decode-g4-d128-kv8-b16": (DECODE, 32, 8, 128, 16),
     # attend_decode takes a head's query rows 3 at a time: group 5 is a pass of 3 and one of 2
     "decode-g5-d64-b16": (DECODE, 10, 2, 64, 16),
@@ -70,7 +73,8 @@ def test_every_isa_matches_reference(isa, shape_id, dtype):
 # kv_cache_dtype "fp8_e5m2" / "fp8_e4m3": the caches hold fp8, widened to fp32 as the kernels
 # read them; the reference widens them to the query's dtype (exactly) and computes as before.
 FP8_SHAPES = ["decode-g3-d64-b16", "decode-g7-d128-b32", "prompts-g1-d64-b16", "chunks-g7-d64-b16",
-              "mixed-g1-d80-b16", "many-decodes-g3-d64-b16", "decode-g4-d128-kv8-b16"]
+              "mixed-g1-d80-b16", "many-decodes-g3-d64-b16", "many-decodes-g3-d80-b16",
+              "decode-g4-d128-kv8-b16"]
 FP8 = [torch.float8_e5m2, torch.float8_e4m3fn]
 FP8_IDS = ["e5m2", "e4m3"]
 
