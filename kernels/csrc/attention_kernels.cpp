@@ -122,8 +122,8 @@ namespace isa_scalar {
 #include "activation.h"
 #include "kv_store.h"
 }  // namespace isa_scalar
-// The scalar kernels plan as AVX2 does (untimed): so that the tests run whole decode tasks
-// through attend_tiles at every head_dim on every CPU.
+// The scalar kernels plan as AVX2 does (untimed): so that the tests run whole decode tasks at
+// every head_dim on every CPU (through attend_tiles at those that attend_decode does not take).
 const IsaKernels kScalarKernels = MINI_INFER_KERNEL_TABLE(isa_scalar, "scalar", true);
 
 #ifdef MINI_INFER_X86_KERNELS
