@@ -61,6 +61,11 @@ class ServiceSettings(BaseModel):
         "DeploymentHandle `_by_reference=False`), `ray` Ray's actor calls (an object in Ray's "
         "object store per streamed record), which cost the ingress and the engine replica more CPU "
         "per token (docs/DEPLOYMENT.md, \"How requests cross between Serve's processes\").")
+    stream_batching_interval_ms: float = Field(
+        0, ge=0, description="Streamed outputs of a request that come within this many ms of the "
+        "last record sent are merged into one record (Ray Serve LLM's setting of this name): fewer "
+        "records across Ray and fewer SSE events, at up to this much added inter-token latency. "
+        "The first token is sent at once. 0: a record per engine step.")
     api_key: str | None = Field(None, description="If set, every route but /health needs "
                                 "`Authorization: Bearer <api_key>`.")
     max_request_body_bytes: int | None = Field(

@@ -1,9 +1,11 @@
 """The engine deployment: one ``AsyncLLM`` per replica, streaming plain-dict outputs."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 import uuid
@@ -143,24 +145,28 @@ class EngineServer:
                     return
                 held: RequestOutput | None = None  # not streamed: everything so far
                 sent_any = False
-                async for output in _prepend(first, outputs):
-                    timing.tick(self.metrics)
-                    num_prompt_tokens = len(output.prompt_token_ids)
-                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
-                    finish_reasons += [c.finish_reason for c in output.outputs if c.finish_reason]
-                    if not stream:
-                        if held is None:
-                            held = output
-                        else:
-                            held.add(output)
-                        if not output.finished:
-                            continue
-                        output = held
-                    record = output_to_dict(output, self.replica_id, self.token_bytes)
-                    if echo and not sent_any:
-                        record["prompt_text"] = self._prompt_text(output)
-                    sent_any = True
-                    yield record
+                source = _prepend(first, outputs)
+                if stream and self.config.stream_batching_interval_ms > 0:
+                    source = _batch_outputs(source, self.config.stream_batching_interval_ms / 1000)
+                async with contextlib.aclosing(source):  # before outputs: it may be reading them
+                    async for output in source:
+                        timing.tick(self.metrics)
+                        num_prompt_tokens = len(output.prompt_token_ids)
+                        num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        finish_reasons += [c.finish_reason for c in output.outputs if c.finish_reason]
+                        if not stream:
+                            if held is None:
+                                held = output
+                            else:
+                                held.add(output)
+                            if not output.finished:
+                                continue
+                            output = held
+                        record = output_to_dict(output, self.replica_id, self.token_bytes)
+                        if echo and not sent_any:
+                            record["prompt_text"] = self._prompt_text(output)
+                        sent_any = True
+                        yield record
             completed = True
         finally:
             if not (completed or rejected):  # the client left (or the request failed) first
@@ -237,6 +243,46 @@ async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
     yield first
     async for item in rest:
         yield item
+
+
+async def _batch_outputs(outputs: AsyncIterator[RequestOutput],
+                         interval_s: float) -> AsyncIterator[RequestOutput]:
+    """``outputs`` (deltas of one request) merged over windows of ``interval_s`` seconds
+    (``RequestOutput.add``), as Ray Serve LLM's ``stream_batching_interval_ms`` batches a
+    stream: an output that comes a window or more after the last one yielded is yielded at once
+    (the first one, so TTFT is unchanged), later ones wait until the window since then is over;
+    a finished one ends the window. Each yield is one record across Ray and one event to the
+    client instead of one per step."""
+    loop = asyncio.get_running_loop()
+    pending = asyncio.ensure_future(anext(outputs))
+    held: RequestOutput | None = None
+    window_end = -math.inf  # when the next output may go out at once
+    try:
+        while True:
+            timeout = None if held is None else max(0.0, window_end - loop.time())
+            done, _ = await asyncio.wait({pending}, timeout=timeout)
+            if not done:  # the window is over: send what it gathered
+                yield held
+                held, window_end = None, loop.time() + interval_s
+                continue
+            try:
+                output = pending.result()
+            except StopAsyncIteration:
+                if held is not None:
+                    yield held
+                return
+            pending = asyncio.ensure_future(anext(outputs))
+            if held is None:
+                held = output
+            else:
+                held.add(output)
+            if held.finished or loop.time() >= window_end:
+                yield held
+                held, window_end = None, loop.time() + interval_s
+    finally:  # the consumer left: stop waiting for the engine's next output
+        pending.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await pending
 
 
 def rejection(exc: BaseException) -> Rejection:

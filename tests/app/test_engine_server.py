@@ -41,3 +41,50 @@ def test_a_non_streaming_request_is_one_record_with_the_streamed_result(server):
     assert choice["finish_reason"] == streamed[-1]["outputs"][0]["finish_reason"] == "length"
     assert whole["finished"] and whole["prompt_text"] == streamed[0]["prompt_text"] == PROMPT["prompt"]
     assert server.llm.stats()["num_running"] == 0
+
+
+def test_stream_batching_merges_what_comes_within_the_window(server, monkeypatch):
+    """``stream_batching_interval_ms`` (Ray Serve LLM's name): the first output at once, later
+    ones merged until the window since the last record is over, or the request finishes. With
+    a 60 s window, 16 tokens are two records: the first token, then the other 15."""
+    streamed = _records(server, stream=True, logprobs=1)
+    monkeypatch.setattr(server.config, "stream_batching_interval_ms", 60_000)
+    first, rest = _records(server, stream=True, logprobs=1)
+    assert len(first["outputs"][0]["token_ids"]) == 1 and not first["finished"]
+    assert len(rest["outputs"][0]["token_ids"]) == 15 and rest["finished"]
+    for field in ("token_ids", "logprobs"):
+        assert first["outputs"][0][field] + rest["outputs"][0][field] == [
+            e for r in streamed for e in r["outputs"][0][field]]
+    assert first["outputs"][0]["text"] + rest["outputs"][0]["text"] == "".join(
+        r["outputs"][0]["text"] for r in streamed)
+    assert rest["outputs"][0]["finish_reason"] == "length" and first["prompt_text"] == PROMPT["prompt"]
+    assert server.llm.stats()["num_running"] == 0
+
+
+def test_a_consumer_that_leaves_a_batched_stream_aborts_its_request(server, monkeypatch):
+    """Closing the stream while the window holds outputs and the next is awaited: the request is
+    aborted in the engine (its blocks freed), nothing is left waiting."""
+    monkeypatch.setattr(server.config, "stream_batching_interval_ms", 60_000)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def main():
+        stream = server.generate(PROMPT, params, stream=True)
+        first = await anext(stream)
+        waiting = asyncio.ensure_future(anext(stream))  # held by the window
+        await asyncio.sleep(0.5)
+        assert not waiting.done()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await stream.aclose()
+        for _ in range(100):  # the abort lands within a step
+            if server.llm.stats()["num_running"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        return first
+
+    first = asyncio.run(main())
+    assert len(first["outputs"][0]["token_ids"]) == 1
+    stats = server.llm.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
