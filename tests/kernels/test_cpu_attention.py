@@ -252,7 +252,8 @@ def test_extension_name_changes_with_the_source(tmp_path, monkeypatch):
 def test_the_kernel_releases_the_gil():
     """Other Python threads run while a call computes (a served replica's Ray and asyncio
     threads beside its step loop): a thread that only records the time gets many samples
-    inside the middle halves of 8 calls; with the GIL held through each call it gets none."""
+    inside the middle halves of the calls (as many as make 50 ms of middles, so a faster kernel
+    or CPU still gives enough to tell); with the GIL held through each call it gets none."""
     import threading
     import time
 
@@ -267,10 +268,12 @@ def test_the_kernel_releases_the_gil():
 
     def call():
         started.set()
-        for _ in range(8):
+        middles = 0.0
+        while middles < 0.05 and len(span) < 1000:
             begin = time.perf_counter()
             cpu_attention.paged_attention(*args)
             span.append((begin, time.perf_counter()))
+            middles += (span[-1][1] - begin) / 2
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a core left for the sampling thread
