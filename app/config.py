@@ -62,7 +62,7 @@ class ServiceSettings(BaseModel):
         "object store per streamed record), which cost the ingress and the engine replica more CPU "
         "per token (docs/DEPLOYMENT.md, \"How requests cross between Serve's processes\").")
     stream_batching_interval_ms: float = Field(
-        0, ge=0, description="Streamed outputs of a request that come within this many ms of the "
+        0, ge=0, allow_inf_nan=False, description="Streamed outputs of a request that come within this many ms of the "
         "last record sent are merged into one record (Ray Serve LLM's setting of this name): fewer "
         "records across Ray and fewer SSE events, at up to this much added inter-token latency. "
         "The first token is sent at once. 0 (the default; Ray Serve LLM's is 50): a record per "

@@ -23,6 +23,11 @@ def test_unknown_and_invalid_settings_name_the_field():
         AppConfig.load({"gpu_memory_utilization": 1.5})
     with pytest.raises(ValidationError, match=r"engine_transport\n  Input should be 'grpc' or 'ray'"):
         AppConfig.load({"engine_transport": "tcp"})
+    for window in ("nan", "inf"):  # not "greater than or equal to 0" for nan; inf never streams
+        with pytest.raises(ValidationError, match=r"stream_batching_interval_ms\n  Input should be a finite number"):
+            AppConfig.load({"stream_batching_interval_ms": window})
+    with pytest.raises(ValidationError, match=r"stream_batching_interval_ms\n  Input should be greater than or equal"):
+        AppConfig.load({"stream_batching_interval_ms": -1})
 
 
 @pytest.mark.parametrize("device,cluster_gpus,expected", [
