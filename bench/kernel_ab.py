@@ -19,6 +19,10 @@ Reported per build, batch x context and dtype: the median ms, GB/s over the byte
 must move, their share of the copy bandwidth, the time relative to the first build, and (where
 cheap) the largest difference from ``kernels.reference``.
 
+A build may end in ``@l1`` or ``@l2`` (``worktree@l2``): its calls then pass ``prefetch_l2``
+(``kernels.cpu_attention.decode_prefetch_l2_default``; builds since it was added), so that one
+source compares its two prefetch levels; without it a call takes the build's default (L1).
+
 ``--tables in-order`` gives each sequence consecutive blocks of the pool, as an engine's tables
 mostly are when its sequences were admitted together and their prompts filled their blocks: the
 hardware prefetchers see one stream per sequence, where the default shuffled tables (a random
@@ -36,6 +40,7 @@ Usage::
     python bench/kernel_ab.py --builds af9ec10,HEAD --dtypes float32 --rounds 15 --repeats 3
     python bench/kernel_ab.py --builds HEAD,worktree --tables one-block
     python bench/kernel_ab.py --builds 8371f47,HEAD --tables in-order
+    python bench/kernel_ab.py --builds HEAD,worktree@l1,worktree@l2 --dtypes bfloat16,float32
 """
 from __future__ import annotations
 
@@ -65,6 +70,18 @@ WORKTREE = "worktree"  # --builds: the checkout's kernels/csrc as it is now
 LIBRARY_BLOCKS = ("TORCH_LIBRARY_FRAGMENT(mini_infer,", "TORCH_LIBRARY_IMPL(mini_infer,")
 REFERENCE_MAX_KEYS = 64 * 512  # batch x context up to which outputs are checked against the reference
 TABLES = ("shuffled", "in-order", "one-block")  # --tables: see the module docstring
+
+
+PREFETCH_SUFFIXES = {"@l1": False, "@l2": True}  # --builds: a build's prefetch_l2 argument
+
+
+def split_prefetch(spec: str) -> tuple[str, dict[str, bool]]:
+    """A ``--builds`` item without its ``@l1`` / ``@l2`` suffix, and the keyword arguments its
+    ``paged_attention`` calls take (none without a suffix)."""
+    for suffix, l2 in PREFETCH_SUFFIXES.items():
+        if spec.endswith(suffix):
+            return spec.removesuffix(suffix), {"prefetch_l2": l2}
+    return spec, {}
 
 
 def build_sources(spec: str, root: Path = ROOT) -> dict[str, bytes]:
@@ -116,7 +133,7 @@ def load_build(spec: str, index: int, log=print):
 
     from kernels.cpu_attention import BUILD_CFLAGS, BUILD_LDFLAGS
 
-    sources = rename_library(build_sources(spec), f"mini_infer_ab_{index}")
+    sources = rename_library(build_sources(split_prefetch(spec)[0]), f"mini_infer_ab_{index}")
     digest = source_digest(sources)
     folder = Path(tempfile.gettempdir()) / "mini-infer-kernel-ab" / digest
     folder.mkdir(parents=True, exist_ok=True)
@@ -156,6 +173,7 @@ def compare(builds: list[str], modules: list, shape_name: str, dtypes, batches, 
     from kernels import reference
 
     shape = SHAPES[shape_name]
+    prefetch_kwargs = [split_prefetch(spec)[1] for spec in builds]
     flush = torch.zeros(default_flush_bytes() // 4)
     copy = (torch.empty(COPY_BYTES, dtype=torch.uint8), torch.ones(COPY_BYTES, dtype=torch.uint8))
     result = {"date": datetime.date.today().isoformat(), **cpu_info(), "torch": torch.__version__,
@@ -170,8 +188,8 @@ def compare(builds: list[str], modules: list, shape_name: str, dtypes, batches, 
                 inputs["block_tables"] = block_tables(inputs["block_tables"], tables)
                 args = [inputs[k] for k in ("query", "k_cache", "v_cache", "block_tables", "query_start_loc",
                                             "seq_lens", "scale")]
-                calls = {f"build {i}": (lambda m=m, args=args: m.paged_attention(*args, isa, 0, False))
-                         for i, m in enumerate(modules)}
+                calls = {f"build {i}": (lambda m=m, kw=kw, args=args: m.paged_attention(*args, isa, 0, False, **kw))
+                         for i, (m, kw) in enumerate(zip(modules, prefetch_kwargs, strict=True))}
                 diffs = None
                 if batch * context <= REFERENCE_MAX_KEYS:
                     expected = reference.paged_attention(*args).float()
@@ -227,7 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        modules = [load_build(spec, i) for i, spec in enumerate(builds)]
+        loaded: dict[str, object] = {}  # one module per source, whatever its builds' suffixes
+        for spec in builds:
+            source = split_prefetch(spec)[0]
+            if source not in loaded:
+                loaded[source] = load_build(source, len(loaded))
+        modules = [loaded[split_prefetch(spec)[0]] for spec in builds]
     except ValueError as error:
         parser.error(str(error))
     result = compare(builds, modules, args.shape, args.dtypes.split(","), [int(b) for b in args.batches.split(",")],

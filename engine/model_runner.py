@@ -116,17 +116,20 @@ class ModelRunner:
         self.num_kv_heads = hf.num_key_value_heads
         self.head_dim = head_dim_of(hf)
         argmax_rows = None  # the sampler's: torch.argmax, or the CPU backend's C++ one
-        # the CPU backend's kernels: {"isa": ..., "prefill": "sdpa" or "tiles"}; None otherwise
+        # the CPU backend's kernels: {"isa": ..., "prefill": "sdpa" or "tiles", "decode_prefetch":
+        # "l1" or "l2"}; None otherwise
         self.cpu_attention: dict[str, str] | None = None
         if self.backend == "cpu":  # which kernels run; a $MINI_INFER_CPU_ISA this CPU lacks, or a
-            # $MINI_INFER_CPU_PREFILL that is no choice, fails here
+            # $MINI_INFER_CPU_PREFILL or $MINI_INFER_CPU_PREFETCH that is no choice, fails here
             from kernels import cpu_attention
 
             self.cpu_attention = {"isa": cpu_attention.selected_isa(self.head_dim),
-                                  "prefill": cpu_attention.prefill_path(self.dtype)}
-            logger.info("CPU attention: the %s kernels; prefill chunks of 128 tokens or more: %s",
-                        self.cpu_attention["isa"],
-                        "torch's SDPA" if self.cpu_attention["prefill"] == "sdpa" else "the same kernels")
+                                  "prefill": cpu_attention.prefill_path(self.dtype),
+                                  "decode_prefetch": "l2" if cpu_attention.decode_prefetch_l2_default() else "l1"}
+            logger.info("CPU attention: the %s kernels; prefill chunks of 128 tokens or more: %s; decode "
+                        "prefetches into %s", self.cpu_attention["isa"],
+                        "torch's SDPA" if self.cpu_attention["prefill"] == "sdpa" else "the same kernels",
+                        self.cpu_attention["decode_prefetch"].upper())
             argmax_rows = cpu_attention.argmax_rows
         self.vocab_size = hf.vocab_size
         # bf16 models on the CPU backend: the MLP's activation in the extension's C++ kernel

@@ -37,6 +37,8 @@ _SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "attention_kernels.cpp"]
 ISA_ENV = "MINI_INFER_CPU_ISA"  # the kernels a call that names none runs: "auto" or a name
 PREFILL_ENV = "MINI_INFER_CPU_PREFILL"  # how long bf16 prefill chunks run: "auto", "sdpa" or "tiles"
 PREFILL_CHOICES = ("auto", "sdpa", "tiles")
+PREFETCH_ENV = "MINI_INFER_CPU_PREFETCH"  # where decode prefetches K/V rows: "auto", "l1" or "l2"
+PREFETCH_CHOICES = ("auto", "l1", "l2")
 BUILD_CFLAGS = ["-O3", "-fopenmp"]  # no -march: the kernels pick their instruction sets (attention_kernels.cpp)
 BUILD_LDFLAGS = ["-fopenmp"]
 
@@ -137,6 +139,53 @@ def sdpa_prefill_default(prefill: str | None = None) -> bool:
     return prefill == "sdpa" or (prefill == "auto" and has_amx())
 
 
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in ``/proc/cpuinfo`` (empty where there is none)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return fields
+
+
+@functools.cache
+def is_zen4() -> bool:
+    """Whether this is an AMD CPU of family 25 (0x19: Zen 3 and Zen 4) with AVX-512F, which
+    only Zen 4 has."""
+    info = _cpuinfo()
+    return (info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
+            and "avx512f" in info.get("flags", "").split())
+
+
+def decode_prefetch_l2_default(prefetch: str | None = None) -> bool:
+    """Whether decode attention prefetches the K/V rows ahead of it into L2 (``prefetcht2``)
+    rather than L1 (``prefetcht0``).
+
+    Args:
+        prefetch: ``"l1"``, ``"l2"`` or ``"auto"``: L2 on a Zen 4 EPYC (``is_zen4``), where
+            it ran batch 64 x context 512 1.27-1.70x (bf16) and 1.54-1.58x (fp32) as fast as
+            L1, 2 threads, LLC flushed (docs/PERFORMANCE.md, "On an AMD EPYC with
+            AVX512-BF16, Zen 4"); L1 elsewhere, where the kernel's prefetches were tuned and
+            L2 has not been measured against it. None means ``$MINI_INFER_CPU_PREFETCH``, else
+            ``"auto"``.
+
+    Raises:
+        ValueError: for any other value (naming the variable where it came from there).
+    """
+    source = "prefetch"
+    if prefetch is None:
+        prefetch, source = os.environ.get(PREFETCH_ENV) or "auto", PREFETCH_ENV
+    if prefetch not in PREFETCH_CHOICES:
+        raise ValueError(f"{source} must be one of {', '.join(PREFETCH_CHOICES)}; got {prefetch!r}")
+    return prefetch == "l2" or (prefetch == "auto" and is_zen4())
+
+
 def prefill_path(dtype: torch.dtype, prefill: str | None = None) -> str:
     """How ``paged_attention`` runs prefill chunks of 128 tokens or more in ``dtype``:
     ``"sdpa"`` (bf16 where ``sdpa_prefill_default(prefill)``) or ``"tiles"``.
@@ -150,7 +199,7 @@ def prefill_path(dtype: torch.dtype, prefill: str | None = None) -> str:
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, isa: str | None = None, num_splits: int = 0,
-                    prefill: str | None = None) -> torch.Tensor:
+                    prefill: str | None = None, prefetch: str | None = None) -> torch.Tensor:
     """Same contract as ``kernels.reference.paged_attention`` (CPU tensors; fp32, bf16 or fp16).
 
     Args:
@@ -161,6 +210,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         prefill: how bf16 prefill chunks of 128 tokens or more run, ``sdpa_prefill_default``'s
             argument (fp32 and fp16 chunks, and shorter ones, always run as tiles: torch's
             fp32 SDPA was 0.9-1.2x the tiles' time).
+        prefetch: where decode tokens prefetch the K/V rows ahead of them,
+            ``decode_prefetch_l2_default``'s argument.
 
     The call releases the GIL while it computes, so that a served replica's other Python
     threads (Ray's, the asyncio loop streaming outputs) run beside the step loop.
@@ -168,10 +219,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Raises:
         RuntimeError: for inconsistent shapes or dtypes, a block-table entry outside the cache,
             a query longer than its sequence, or an ``isa`` this CPU cannot run.
-        ValueError: for a ``prefill`` (or ``$MINI_INFER_CPU_PREFILL``) not in ``PREFILL_CHOICES``.
+        ValueError: for a ``prefill`` (or ``$MINI_INFER_CPU_PREFILL``) not in ``PREFILL_CHOICES``,
+            or a ``prefetch`` (or ``$MINI_INFER_CPU_PREFETCH``) not in ``PREFETCH_CHOICES``.
     """
     return load().paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                  scale, _isa(isa), num_splits, sdpa_prefill_default(prefill))
+                                  scale, _isa(isa), num_splits, sdpa_prefill_default(prefill),
+                                  decode_prefetch_l2_default(prefetch))
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -44,6 +44,9 @@ struct AttentionProblem {
   int64_t block_size, head_dim;
   int64_t group;  // query heads per KV head (num_heads / num_kv_heads)
   float scale;    // softmax scale, applied to q.k
+  // Decode tasks (attend_decode) prefetch the K/V rows ahead of them into L2 instead of L1
+  // (cpu_attention.py: decode_prefetch_l2_default).
+  bool prefetch_l2 = false;
 };
 
 // One unit of work: query tokens [token_begin, token_begin + num_tokens) of sequence `seq`,

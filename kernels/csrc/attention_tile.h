@@ -438,12 +438,26 @@ void attend_tiles(const AttentionProblem& p, const AttentionTask& t, const TaskB
 // AVX-512 kernels, on a Zen 5 EPYC (avx512_bf16, whose attend_tiles dotted bf16 pairs with
 // vdpbf16ps): 1.14-1.6x as fast, bf16 0.55-0.65 -> 0.76-0.83 of copy at batch 16-256 x
 // context 512, fp32 0.53-0.59 -> 0.73-0.79 ("attend_decode with the AVX-512 kernels").
+// On AVX512_BF16 with bf16 queries the scores are vdpbf16ps dot products (decode_scores_dot):
+// 7.5-8.8% less time with K/V in L1, within the noise from memory (Zen 4 EPYC). kPrefetchL2
+// sends every prefetch here to L2 instead of L1; on a Zen 4 EPYC (2 threads, LLC flushed,
+// b64-256 x ctx512) that ran bf16 1.55-1.63x and fp32 1.41-1.62x as fast, b16 bf16 0.78-0.82x
+// (docs/PERFORMANCE.md, "On an AMD EPYC with AVX512-BF16, Zen 4").
 
 constexpr int kDecodeChunk = static_cast<int>(kMaxTileKeys);  // keys per softmax update
 constexpr int kDecodeRows = 3;     // query rows per pass over the values
 constexpr int kDecodeVectors = 4;  // vectors of head_dim per pass: 3 x 4 accumulators, 3
                                    // probabilities and a value vector fill AVX2's 16 registers
                                    // (bf16: one probability at a time, vbroadcast_once)
+
+// A prefetch into L1 (vprefetch), or into L2 where kL2 (AttentionProblem::prefetch_l2).
+template <bool kL2>
+inline void vprefetch_to(const void* p) {
+  if constexpr (kL2)
+    vprefetch_l2(p);
+  else
+    vprefetch(p);
+}
 
 // The rows of the next chunk, asked for a few lines at a time from inside this chunk's
 // arithmetic, so that misses are in flight all the while instead of arriving in bursts that
@@ -455,7 +469,7 @@ constexpr int kDecodeVectors = 4;  // vectors of head_dim per pass: 3 x 4 accumu
 // against 1.05, two threads, K/V in L1). Against 8371f47 (the next chunk's rows of a head
 // asked for a key at a time in its first value pass), b64 x ctx512, 2 threads, LLC flushed:
 // docs/PERFORMANCE.md, "The next chunk asked for through the arithmetic".
-template <class T, int64_t kHeadDim>
+template <class T, int64_t kHeadDim, bool kL2 = false>
 struct AheadPieces {
   static constexpr int64_t kLineElements = 64 / static_cast<int64_t>(sizeof(T));
   static constexpr int kRowLines = static_cast<int>((kHeadDim + kLineElements - 1) / kLineElements);
@@ -489,13 +503,13 @@ struct AheadPieces {
     credit += units * per_unit;
     for (int64_t due = credit >> 8; due > 0 && piece < end; --due, ++piece)
 #pragma GCC unroll 16
-      for (int e = 0; e < kGrainLines; ++e) vprefetch(*piece + e * kLineElements);
+      for (int e = 0; e < kGrainLines; ++e) vprefetch_to<kL2>(*piece + e * kLineElements);
     credit &= 255;
   }
   void finish() {
     for (; piece < end; ++piece)
 #pragma GCC unroll 16
-      for (int e = 0; e < kGrainLines; ++e) vprefetch(*piece + e * kLineElements);
+      for (int e = 0; e < kGrainLines; ++e) vprefetch_to<kL2>(*piece + e * kLineElements);
   }
 };
 
@@ -576,6 +590,46 @@ Stream decode_scores_bf16(const float* q, const bf16_t* const* keys, float scale
   }
   return ahead;
 }
+
+#ifdef MINI_INFER_NATIVE_BF16
+// decode_scores_bf16 with vdpbf16ps (AVX512_BF16): bf16 query rows in their natural order
+// (kHeadDim apart) against bf16 key rows, each product of a pair of elements exact and summed
+// in fp32, so a row's 32 elements of a key take one instruction instead of the two widenings
+// and two FMAs of decode_scores_bf16 (whose widening each key shares among kRows rows). Same
+// add tree, same steps of `ahead`.
+template <int64_t kHeadDim, int kRows, class Stream>
+Stream decode_scores_dot(const bf16_t* q, const bf16_t* const* keys, float scale, float* scores, Stream ahead) {
+  constexpr int kKeys = 2;
+  static_assert(kHeadDim % 32 == 0, "head_dim in whole 32-element slices");
+  vfloat partial[kRows][kLanes];
+  constexpr int64_t kScoreUnits = 2 * kRows * kKeys * (kHeadDim / kLanes);  // as decode_scores_bf16's
+#pragma GCC unroll 16
+  for (int k0 = 0; k0 < kDecodeChunk; k0 += kKeys) {
+    ahead.step(kScoreUnits);
+    __m512 sums[kRows][kKeys];
+#pragma GCC unroll 16
+    for (int64_t d = 0; d < kHeadDim; d += 32) {
+#pragma GCC unroll 16
+      for (int r = 0; r < kKeys; ++r) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(keys[k0 + r] + d);
+#pragma GCC unroll 16
+        for (int i = 0; i < kRows; ++i)
+          sums[i][r] = _mm512_dpbf16_ps(d == 0 ? _mm512_setzero_ps() : sums[i][r],
+                                        (__m512bh)_mm512_loadu_si512(q + i * kHeadDim + d), k);
+      }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 16
+      for (int r = 0; r < kKeys; ++r) partial[i][(k0 + r) % kLanes] = sums[i][r];
+    if ((k0 + kKeys) % kLanes == 0)
+#pragma GCC unroll 16
+      for (int i = 0; i < kRows; ++i)
+        vstore(scores + i * kMaxTileKeys + k0 + kKeys - kLanes, vmul(vreduce_rows(partial[i]), vset1(scale)));
+  }
+  return ahead;
+}
+#endif
 
 // The online softmax (as softmax_update) of kRows query rows (scores kMaxTileKeys apart) over
 // a chunk of n keys, all visible (a decode token sees its whole context): scores become
@@ -668,13 +722,20 @@ Stream decode_values(const float* probs, const float* alpha, const V* const* val
 
 // A task of one query token (t.num_tokens == 1, any number of KV heads): attend_tiles' outputs.
 // Q: the query's element type, T: the cache's.
-template <class Q, class T, int64_t kHeadDim>
+template <class Q, class T, int64_t kHeadDim, bool kPrefetchL2>
 void attend_decode(const AttentionProblem& p, const AttentionTask& t, const TaskBuffers& b) {
   constexpr bool kHalves = std::is_same_v<T, bf16_t>;  // bf16 keys and values in halves_order
+  // bf16 queries and keys on AVX512_BF16: the scores by vdpbf16ps (decode_scores_dot), from the
+  // query rows as they are (bf16, natural order)
+  constexpr bool kDots = kHalves && std::is_same_v<Q, bf16_t> && kNativeBf16Dot;
   const int64_t group = p.group, rows = group * t.num_heads;
   float* query = static_cast<float*>(b.query);
-  load_queries<Q>(p, t, query);
-  if constexpr (kHalves) halves_order(query, rows, kHeadDim);
+  [[maybe_unused]] const bf16_t* query_bf16 = static_cast<const bf16_t*>(b.query);
+  if constexpr (kDots)
+    load_queries<Q>(p, t, static_cast<bf16_t*>(b.query));
+  else
+    load_queries<Q>(p, t, query);
+  if constexpr (kHalves && !kDots) halves_order(query, rows, kHeadDim);
   std::fill(b.acc, b.acc + rows * kHeadDim, 0.f);
   std::fill(b.row_max, b.row_max + rows, -std::numeric_limits<float>::infinity());
   std::fill(b.row_sum, b.row_sum + rows, 0.f);
@@ -686,7 +747,7 @@ void attend_decode(const AttentionProblem& p, const AttentionTask& t, const Task
   const bf16_t* bf16_keys[kDecodeChunk];
   const T* values[kDecodeChunk];
   KeyCursor cursor(p, t.key_begin), next(p, std::min(t.key_end, t.key_begin + kDecodeChunk));
-  using Ahead = AheadPieces<T, kHeadDim>;
+  using Ahead = AheadPieces<T, kHeadDim, kPrefetchL2>;
   const T* pieces[Ahead::kMaxPieces];
   // A head's turn in vector FMAs (AheadPieces::step): scores (bf16's counted twice, as
   // decode_scores_bf16 counts them) and values.
@@ -712,15 +773,28 @@ void attend_decode(const AttentionProblem& p, const AttentionTask& t, const Task
         // wait on each other there cost more than these prefetches (bf16 1.21-1.41x, fp32
         // 1.02-1.15x, b64 x ctx512 from memory; docs/PERFORMANCE.md, "bf16 read in halves").
         for (int64_t e = 0; e < kHeadDim; e += 64 / static_cast<int64_t>(sizeof(T))) {
-          vprefetch(k_cache + offsets[r] + head + e);
-          vprefetch(values[r] + e);
+          vprefetch_to<kPrefetchL2>(k_cache + offsets[r] + head + e);
+          vprefetch_to<kPrefetchL2>(values[r] + e);
         }
       }
       // The next chunk's rows of this head, asked for through this turn's arithmetic.
       Ahead ahead = Ahead::list(k_cache, v_cache, ahead_offsets, n_next, head,
                                 score_units + value_units_per_key * n, pieces);
       float* probs = b.scores + h * group * kMaxTileKeys;
-      if constexpr (kHalves) {
+#ifdef MINI_INFER_NATIVE_BF16
+      if constexpr (kDots) {
+        for (int64_t g = 0; g < group; g += kDecodeRows) {
+          const bf16_t* q = query_bf16 + (h * group + g) * kHeadDim;
+          float* s = probs + g * kMaxTileKeys;
+          switch (std::min<int64_t>(kDecodeRows, group - g)) {
+            case 3: ahead = decode_scores_dot<kHeadDim, 3>(q, bf16_keys, p.scale, s, ahead); break;
+            case 2: ahead = decode_scores_dot<kHeadDim, 2>(q, bf16_keys, p.scale, s, ahead); break;
+            default: ahead = decode_scores_dot<kHeadDim, 1>(q, bf16_keys, p.scale, s, ahead); break;
+          }
+        }
+      }
+#endif
+      if constexpr (kHalves && !kDots) {
         for (int64_t g = 0; g < group; g += kDecodeRows) {
           const float* q = query + (h * group + g) * kHeadDim;
           float* s = probs + g * kMaxTileKeys;
@@ -765,8 +839,10 @@ void attend_decode(const AttentionProblem& p, const AttentionTask& t, const Task
 template <class Q, class T = Q>
 void attend(const AttentionProblem& p, const AttentionTask& t, const TaskBuffers& b) {
   // decode_kernel_head_dim's sizes
-  if (t.num_tokens == 1 && p.head_dim == 64) return attend_decode<Q, T, 64>(p, t, b);
-  if (t.num_tokens == 1 && p.head_dim == 128) return attend_decode<Q, T, 128>(p, t, b);
+  if (t.num_tokens == 1 && p.head_dim == 64)
+    return p.prefetch_l2 ? attend_decode<Q, T, 64, true>(p, t, b) : attend_decode<Q, T, 64, false>(p, t, b);
+  if (t.num_tokens == 1 && p.head_dim == 128)
+    return p.prefetch_l2 ? attend_decode<Q, T, 128, true>(p, t, b) : attend_decode<Q, T, 128, false>(p, t, b);
   switch (p.head_dim) {  // the common head sizes get unrolled loops
     case 64:
       return t.num_heads == 1 ? attend_tiles<Q, T, 64, true>(p, t, b) : attend_tiles<Q, T, 64, false>(p, t, b);

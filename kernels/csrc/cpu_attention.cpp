@@ -377,10 +377,12 @@ void run_sdpa_prefills(const torch::Tensor& query, const torch::Tensor& k_cache,
 // one of supported_isas(); `num_splits` > 0 splits every decode context that many ways (tests);
 // `sdpa_prefill`: bf16 prefill chunks of kSdpaMinQueryTokens or more go through
 // run_sdpa_prefills, not the tasks.
+// `prefetch_l2`: decode tasks prefetch the rows ahead of them into L2, not L1
+// (AttentionProblem::prefetch_l2).
 torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
                               const torch::Tensor& seq_lens, double scale, const std::string& isa,
-                              int64_t num_splits, bool sdpa_prefill) {
+                              int64_t num_splits, bool sdpa_prefill, bool prefetch_l2) {
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_attention: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "paged_attention: query [T, H, D], cache [N, B, KVH, D]");
@@ -406,7 +408,7 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
                                  k_cache.data_ptr(), v_cache.data_ptr(),
                                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                  tables.data_ptr<int32_t>(), tables.size(1),
-                                 k_cache.size(1), head_dim, group, static_cast<float>(scale)};
+                                 k_cache.size(1), head_dim, group, static_cast<float>(scale), prefetch_l2};
   const BatchShape shape{starts.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), lens.numel(), query.size(0),
                          k_cache.size(2), k_cache.size(0)};
   check_batch(shape, problem);
@@ -657,7 +659,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged causal attention on the CPU (decode tokens and prefill chunks)",
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("isa") = "auto", py::arg("num_splits") = 0,
-        py::arg("sdpa_prefill") = false, py::call_guard<py::gil_scoped_release>());
+        py::arg("sdpa_prefill") = false, py::arg("prefetch_l2") = false, py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) for fp32, bf16 or fp16 [rows, vocab] logits",
         py::arg("logits"), py::call_guard<py::gil_scoped_release>());
   m.def("supported_isas", &supported_isas, "Instruction sets this CPU runs, best first");

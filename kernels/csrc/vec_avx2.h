@@ -120,6 +120,8 @@ inline vfloat vreduce_rows(const vfloat* rows) {
 // An asm statement, not _mm_prefetch: GCC deems __builtin_prefetch free of side effects and
 // deleted every call of a function that does nothing but prefetch.
 inline void vprefetch(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
+// The same into the L2 cache, not L1 (prefetcht2: on AMD CPUs t1 and t2 both fill L2).
+inline void vprefetch_l2(const void* p) { asm volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p))); }
 
 // bf16 elements p[0, 2 kLanes) as two vectors, without reordering across lanes: lane i of
 // `even` is p[2i], of `odd` p[2i + 1] (each 32-bit lane holds a pair; its low element shifted

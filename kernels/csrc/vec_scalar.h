@@ -37,6 +37,7 @@ inline vfloat vzero_below(vfloat x, float limit, vfloat y) { return x < limit ? 
 // Lane r = the sum of the lanes of rows[r].
 inline vfloat vreduce_rows(const vfloat* rows) { return rows[0]; }
 inline void vprefetch(const void* p) { __builtin_prefetch(p); }
+inline void vprefetch_l2(const void* p) { __builtin_prefetch(p, 0, 1); }  // low temporal locality: L2
 // bf16 elements p[0, 2 kLanes) as two vectors: lane i of `even` is p[2i], of `odd` p[2i + 1].
 inline void vload_halves(const bf16_t* p, vfloat& even, vfloat& odd) {
   even = bf16_to_float(p[0].bits);

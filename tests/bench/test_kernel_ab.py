@@ -136,3 +136,23 @@ def test_unknown_tables_are_refused_naming_the_option():
     with pytest.raises(ValueError, match=r"--tables must be one of \['shuffled', 'in-order', 'one-block'\]; got 'l1'"):
         ab.compare(["a", "b"], [None, None], "smollm2-135m", ["float32"], [1], [16], rounds=1, repeats=1,
                    tables="l1")
+
+
+def test_a_prefetch_suffix_is_the_builds_prefetch_l2_argument():
+    assert ab.split_prefetch("worktree@l2") == ("worktree", {"prefetch_l2": True})
+    assert ab.split_prefetch("HEAD@l1") == ("HEAD", {"prefetch_l2": False})
+    assert ab.split_prefetch("8371f47") == ("8371f47", {})
+    seen = []
+
+    class Recorder:  # the keyword arguments each call passes
+        @staticmethod
+        def paged_attention(*args, **kwargs):
+            from kernels import reference
+
+            seen.append(kwargs)
+            return reference.paged_attention(*args[:7])
+
+    ab.compare(["HEAD", "worktree@l1", "worktree@l2"], [Recorder] * 3, "smollm2-135m", ["float32"], [1], [16],
+               rounds=1, repeats=1, log=lambda line: None)
+    assert {} in seen and {"prefetch_l2": False} in seen and {"prefetch_l2": True} in seen
+    assert all(k in ({}, {"prefetch_l2": False}, {"prefetch_l2": True}) for k in seen)

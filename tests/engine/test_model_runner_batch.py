@@ -87,9 +87,10 @@ def test_auto_dtype_by_compute_capability(monkeypatch, capability, expected):
 
 
 def test_cpu_backend_logs_its_kernels_and_refuses_ones_this_cpu_lacks(monkeypatch, caplog):
-    """``$MINI_INFER_CPU_ISA`` picks the CPU attention kernels and ``$MINI_INFER_CPU_PREFILL``
-    how long bf16 prefill chunks run; a name this CPU cannot run, or a prefill setting that is
-    no choice, fails when the engine starts, not at its first step."""
+    """``$MINI_INFER_CPU_ISA`` picks the CPU attention kernels, ``$MINI_INFER_CPU_PREFILL``
+    how long bf16 prefill chunks run and ``$MINI_INFER_CPU_PREFETCH`` where decode prefetches;
+    a name this CPU cannot run, or a setting that is no choice, fails when the engine starts,
+    not at its first step."""
     cpu_attention = pytest.importorskip("kernels.cpu_attention")
     if not cpu_attention.is_available():
         pytest.skip("the C++ CPU kernel did not build")
@@ -108,6 +109,15 @@ def test_cpu_backend_logs_its_kernels_and_refuses_ones_this_cpu_lacks(monkeypatc
     with pytest.raises(ValueError, match=r"MINI_INFER_CPU_PREFILL must be one of auto, sdpa, tiles; got 'flash'"):
         LLM(**kwargs)
     monkeypatch.delenv(cpu_attention.PREFILL_ENV)
+    monkeypatch.setenv(cpu_attention.PREFETCH_ENV, "l2")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+        assert LLM(**kwargs).llm_engine.model_runner.cpu_attention["decode_prefetch"] == "l2"
+    assert "the same kernels; decode prefetches into L2" in caplog.text
+    monkeypatch.setenv(cpu_attention.PREFETCH_ENV, "l3")
+    with pytest.raises(ValueError, match=r"MINI_INFER_CPU_PREFETCH must be one of auto, l1, l2; got 'l3'"):
+        LLM(**kwargs)
+    monkeypatch.delenv(cpu_attention.PREFETCH_ENV)
     monkeypatch.setenv(cpu_attention.ISA_ENV, "sse9")
     with pytest.raises(RuntimeError, match=r"unknown isa 'sse9' \(the isa argument or \$MINI_INFER_CPU_ISA\)"):
         LLM(**kwargs)

@@ -70,6 +70,52 @@ def test_every_isa_matches_reference(isa, shape_id, dtype):
     _assert_matches(cpu_attention.paged_attention(*batch.args(), isa=isa), expected)
 
 
+DECODE_SHAPES = [s for s in SHAPES if "decode" in s or s.startswith("mixed")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape_id", DECODE_SHAPES)
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_prefetch_into_l1_or_l2_gives_the_same_bits(isa, shape_id, dtype):
+    """attend_decode is compiled twice per instruction set, prefetching into L1 or L2
+    (``prefetch``): the same arithmetic, so the same bits, and the reference's values."""
+    batch, expected = _case(shape_id, dtype)
+    l1 = cpu_attention.paged_attention(*batch.args(), isa=isa, prefetch="l1")
+    _assert_matches(l1, expected)
+    assert torch.equal(l1, cpu_attention.paged_attention(*batch.args(), isa=isa, prefetch="l2"))
+
+
+def test_prefetch_setting_is_checked_and_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv(cpu_attention.PREFETCH_ENV, raising=False)
+    assert cpu_attention.decode_prefetch_l2_default() == cpu_attention.is_zen4()
+    assert cpu_attention.decode_prefetch_l2_default("l2") and not cpu_attention.decode_prefetch_l2_default("l1")
+    monkeypatch.setenv(cpu_attention.PREFETCH_ENV, "l1")
+    assert not cpu_attention.decode_prefetch_l2_default()
+    assert cpu_attention.decode_prefetch_l2_default("l2")  # an argument beats the environment
+    monkeypatch.setenv(cpu_attention.PREFETCH_ENV, "l3")
+    with pytest.raises(ValueError, match=re.escape("MINI_INFER_CPU_PREFETCH must be one of auto, l1, l2; got 'l3'")):
+        cpu_attention.decode_prefetch_l2_default()
+    with pytest.raises(ValueError, match=re.escape("prefetch must be one of auto, l1, l2; got 'L2'")):
+        cpu_attention.decode_prefetch_l2_default("L2")
+
+
+@pytest.mark.parametrize(("vendor", "family", "flags", "zen4"), [
+    ("AuthenticAMD", "25", "fpu sse2 avx2 avx512f avx512_bf16", True),  # Zen 4
+    ("AuthenticAMD", "25", "fpu sse2 avx2", False),  # Zen 3
+    ("AuthenticAMD", "26", "fpu sse2 avx2 avx512f avx512_bf16", False),  # Zen 5
+    ("GenuineIntel", "6", "fpu sse2 avx2 avx512f amx_bf16", False),
+    (None, None, None, False),  # no /proc/cpuinfo
+])
+def test_zen4_is_told_from_proc_cpuinfo(monkeypatch, vendor, family, flags, zen4):
+    fields = {} if vendor is None else {"vendor_id": vendor, "cpu family": family, "flags": flags}
+    monkeypatch.setattr(cpu_attention, "_cpuinfo", lambda: fields)
+    cpu_attention.is_zen4.cache_clear()
+    try:
+        assert cpu_attention.is_zen4() is zen4
+    finally:
+        cpu_attention.is_zen4.cache_clear()
+
+
 # kv_cache_dtype "fp8_e5m2" / "fp8_e4m3": the caches hold fp8, widened to fp32 as the kernels
 # read them; the reference widens them to the query's dtype (exactly) and computes as before.
 FP8_SHAPES = ["decode-g3-d64-b16", "decode-g7-d128-b32", "prompts-g1-d64-b16", "chunks-g7-d64-b16",
