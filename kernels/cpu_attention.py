@@ -107,6 +107,20 @@ def selected_isa(head_dim: int, isa: str | None = None) -> str:
     return load().selected_isa(head_dim, _isa(isa))
 
 
+def _choice(value: str | None, name: str, env: str, choices: tuple[str, ...]) -> str:
+    """``value``, or where None ``$env``, else ``"auto"``, checked against ``choices``.
+
+    Raises:
+        ValueError: naming ``name``, or ``env`` where the value came from there.
+    """
+    source = name
+    if value is None:
+        value, source = os.environ.get(env) or "auto", env
+    if value not in choices:
+        raise ValueError(f"{source} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
 @functools.cache
 def has_amx() -> bool:
     """Whether this CPU has AMX tiles that this process may use (torch's own check, which
@@ -131,11 +145,7 @@ def sdpa_prefill_default(prefill: str | None = None) -> bool:
     Raises:
         ValueError: for any other value (naming the variable where it came from there).
     """
-    source = "prefill"
-    if prefill is None:
-        prefill, source = os.environ.get(PREFILL_ENV) or "auto", PREFILL_ENV
-    if prefill not in PREFILL_CHOICES:
-        raise ValueError(f"{source} must be one of {', '.join(PREFILL_CHOICES)}; got {prefill!r}")
+    prefill = _choice(prefill, "prefill", PREFILL_ENV, PREFILL_CHOICES)
     return prefill == "sdpa" or (prefill == "auto" and has_amx())
 
 
@@ -178,11 +188,7 @@ def decode_prefetch_l2_default(prefetch: str | None = None) -> bool:
     Raises:
         ValueError: for any other value (naming the variable where it came from there).
     """
-    source = "prefetch"
-    if prefetch is None:
-        prefetch, source = os.environ.get(PREFETCH_ENV) or "auto", PREFETCH_ENV
-    if prefetch not in PREFETCH_CHOICES:
-        raise ValueError(f"{source} must be one of {', '.join(PREFETCH_CHOICES)}; got {prefetch!r}")
+    prefetch = _choice(prefetch, "prefetch", PREFETCH_ENV, PREFETCH_CHOICES)
     return prefetch == "l2" or (prefetch == "auto" and is_zen4())
 
 

@@ -534,6 +534,22 @@ Stream decode_scores(const float* q, const float* const* keys, float scale, floa
   return ahead;
 }
 
+// Keys k0 .. k0 + kKeys of kRows query rows (sums[i][r]: key k0 + r's partial sums of row i)
+// into `partial`; after each kLanes keys, each row's add tree, times `scale`, into its scores
+// (kMaxTileKeys apart).
+template <int kRows, int kKeys>
+inline void gather_scores(const vfloat (&sums)[kRows][kKeys], int k0, float scale, vfloat (&partial)[kRows][kLanes],
+                          float* scores) {
+#pragma GCC unroll 16
+  for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 16
+    for (int r = 0; r < kKeys; ++r) partial[i][(k0 + r) % kLanes] = sums[i][r];
+  if ((k0 + kKeys) % kLanes == 0)
+#pragma GCC unroll 16
+    for (int i = 0; i < kRows; ++i)
+      vstore(scores + i * kMaxTileKeys + k0 + kKeys - kLanes, vmul(vreduce_rows(partial[i]), vset1(scale)));
+}
+
 // Rows of head_dim fp32 elements, each block of 2 kLanes reordered as its even elements then its
 // odd ones (the order in which vload_halves gives bf16 elements), or back (kBack).
 template <bool kBack = false>
@@ -579,14 +595,7 @@ Stream decode_scores_bf16(const float* q, const bf16_t* const* keys, float scale
         }
       }
     }
-#pragma GCC unroll 16
-    for (int i = 0; i < kRows; ++i)
-#pragma GCC unroll 16
-      for (int r = 0; r < kKeys; ++r) partial[i][(k0 + r) % kLanes] = sums[i][r];
-    if ((k0 + kKeys) % kLanes == 0)
-#pragma GCC unroll 16
-      for (int i = 0; i < kRows; ++i)
-        vstore(scores + i * kMaxTileKeys + k0 + kKeys - kLanes, vmul(vreduce_rows(partial[i]), vset1(scale)));
+    gather_scores<kRows, kKeys>(sums, k0, scale, partial, scores);
   }
   return ahead;
 }
@@ -606,7 +615,7 @@ Stream decode_scores_dot(const bf16_t* q, const bf16_t* const* keys, float scale
 #pragma GCC unroll 16
   for (int k0 = 0; k0 < kDecodeChunk; k0 += kKeys) {
     ahead.step(kScoreUnits);
-    __m512 sums[kRows][kKeys];
+    vfloat sums[kRows][kKeys];
 #pragma GCC unroll 16
     for (int64_t d = 0; d < kHeadDim; d += 32) {
 #pragma GCC unroll 16
@@ -618,14 +627,7 @@ Stream decode_scores_dot(const bf16_t* q, const bf16_t* const* keys, float scale
                                         (__m512bh)_mm512_loadu_si512(q + i * kHeadDim + d), k);
       }
     }
-#pragma GCC unroll 16
-    for (int i = 0; i < kRows; ++i)
-#pragma GCC unroll 16
-      for (int r = 0; r < kKeys; ++r) partial[i][(k0 + r) % kLanes] = sums[i][r];
-    if ((k0 + kKeys) % kLanes == 0)
-#pragma GCC unroll 16
-      for (int i = 0; i < kRows; ++i)
-        vstore(scores + i * kMaxTileKeys + k0 + kKeys - kLanes, vmul(vreduce_rows(partial[i]), vset1(scale)));
+    gather_scores<kRows, kKeys>(sums, k0, scale, partial, scores);
   }
   return ahead;
 }
