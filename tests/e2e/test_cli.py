@@ -46,11 +46,13 @@ def test_generate_a_workload_file(tmp_path):
     assert summary["kv_cache_populated"] is populate(probe)
     assert ("was backed with memory before the timed run" in out.stdout) is summary["kv_cache_populated"]
     # which CPU kernels ran: this CPU's best (SmolLM2's head_dim 64); SDPA for long prefill
-    # chunks only in bf16 and where it is the default here (a CPU with AMX)
+    # chunks only in bf16 and where it is the default here (a CPU with AMX); decode prefetches
+    # into L2 where that is the default here (a Zen 4)
     if summary["attention_backend"] == "cpu":
         sdpa = summary["dtype"] == "bfloat16" and cpu_attention.sdpa_prefill_default()
         assert summary["cpu_attention"] == {"isa": cpu_attention.selected_isa(64),
-                                            "prefill": "sdpa" if sdpa else "tiles"}
+                                            "prefill": "sdpa" if sdpa else "tiles",
+                                            "decode_prefetch": "l2" if cpu_attention.is_zen4() else "l1"}
     else:
         assert summary["cpu_attention"] is None
 
