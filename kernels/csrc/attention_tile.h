@@ -438,7 +438,7 @@ void attend_tiles(const AttentionProblem& p, const AttentionTask& t, const TaskB
 // AVX-512 kernels, on a Zen 5 EPYC (avx512_bf16, whose attend_tiles dotted bf16 pairs with
 // vdpbf16ps): 1.14-1.6x as fast, bf16 0.55-0.65 -> 0.76-0.83 of copy at batch 16-256 x
 // context 512, fp32 0.53-0.59 -> 0.73-0.79 ("attend_decode with the AVX-512 kernels").
-// On AVX512_BF16 with bf16 queries the scores are vdpbf16ps dot products (decode_scores_dot):
+// On AVX512_BF16 with bf16 queries the scores are vdpbf16ps dot products (the bf16_t* overload of decode_scores_bf16):
 // 7.5-8.8% less time with K/V in L1, within the noise from memory (Zen 4 EPYC). kPrefetchL2
 // sends every prefetch here to L2 instead of L1; on a Zen 4 EPYC (2 threads, LLC flushed,
 // b64-256 x ctx512) that ran bf16 1.55-1.63x and fp32 1.41-1.62x as fast, b16 bf16 0.78-0.82x
@@ -601,13 +601,13 @@ Stream decode_scores_bf16(const float* q, const bf16_t* const* keys, float scale
 }
 
 #ifdef MINI_INFER_NATIVE_BF16
-// decode_scores_bf16 with vdpbf16ps (AVX512_BF16): bf16 query rows in their natural order
+// decode_scores_bf16 with vdpbf16ps (AVX512_BF16), picked by the query's type: bf16 query rows in their natural order
 // (kHeadDim apart) against bf16 key rows, each product of a pair of elements exact and summed
 // in fp32, so a row's 32 elements of a key take one instruction instead of the two widenings
 // and two FMAs of decode_scores_bf16 (whose widening each key shares among kRows rows). Same
 // add tree, same steps of `ahead`.
 template <int64_t kHeadDim, int kRows, class Stream>
-Stream decode_scores_dot(const bf16_t* q, const bf16_t* const* keys, float scale, float* scores, Stream ahead) {
+Stream decode_scores_bf16(const bf16_t* q, const bf16_t* const* keys, float scale, float* scores, Stream ahead) {
   constexpr int kKeys = 2;
   static_assert(kHeadDim % 32 == 0, "head_dim in whole 32-element slices");
   vfloat partial[kRows][kLanes];
@@ -727,7 +727,7 @@ Stream decode_values(const float* probs, const float* alpha, const V* const* val
 template <class Q, class T, int64_t kHeadDim, bool kPrefetchL2>
 void attend_decode(const AttentionProblem& p, const AttentionTask& t, const TaskBuffers& b) {
   constexpr bool kHalves = std::is_same_v<T, bf16_t>;  // bf16 keys and values in halves_order
-  // bf16 queries and keys on AVX512_BF16: the scores by vdpbf16ps (decode_scores_dot), from the
+  // bf16 queries and keys on AVX512_BF16: the scores by vdpbf16ps (the bf16_t* overload of decode_scores_bf16), from the
   // query rows as they are (bf16, natural order)
   constexpr bool kDots = kHalves && std::is_same_v<Q, bf16_t> && kNativeBf16Dot;
   const int64_t group = p.group, rows = group * t.num_heads;
@@ -783,22 +783,15 @@ void attend_decode(const AttentionProblem& p, const AttentionTask& t, const Task
       Ahead ahead = Ahead::list(k_cache, v_cache, ahead_offsets, n_next, head,
                                 score_units + value_units_per_key * n, pieces);
       float* probs = b.scores + h * group * kMaxTileKeys;
-#ifdef MINI_INFER_NATIVE_BF16
-      if constexpr (kDots) {
+      if constexpr (kHalves) {  // bf16 query rows (kDots: the vdpbf16ps overload) or fp32 ones in halves_order
+        const auto* query_rows = [&] {
+          if constexpr (kDots)
+            return query_bf16;
+          else
+            return static_cast<const float*>(query);
+        }();
         for (int64_t g = 0; g < group; g += kDecodeRows) {
-          const bf16_t* q = query_bf16 + (h * group + g) * kHeadDim;
-          float* s = probs + g * kMaxTileKeys;
-          switch (std::min<int64_t>(kDecodeRows, group - g)) {
-            case 3: ahead = decode_scores_dot<kHeadDim, 3>(q, bf16_keys, p.scale, s, ahead); break;
-            case 2: ahead = decode_scores_dot<kHeadDim, 2>(q, bf16_keys, p.scale, s, ahead); break;
-            default: ahead = decode_scores_dot<kHeadDim, 1>(q, bf16_keys, p.scale, s, ahead); break;
-          }
-        }
-      }
-#endif
-      if constexpr (kHalves && !kDots) {
-        for (int64_t g = 0; g < group; g += kDecodeRows) {
-          const float* q = query + (h * group + g) * kHeadDim;
+          const auto* q = query_rows + (h * group + g) * kHeadDim;
           float* s = probs + g * kMaxTileKeys;
           switch (std::min<int64_t>(kDecodeRows, group - g)) {
             case 3: ahead = decode_scores_bf16<kHeadDim, 3>(q, bf16_keys, p.scale, s, ahead); break;

@@ -85,20 +85,6 @@ def test_decode_prefetch_into_l1_or_l2_gives_the_same_bits(isa, shape_id, dtype)
     assert torch.equal(l1, cpu_attention.paged_attention(*batch.args(), isa=isa, prefetch="l2"))
 
 
-def test_prefetch_setting_is_checked_and_read_from_the_environment(monkeypatch):
-    monkeypatch.delenv(cpu_attention.PREFETCH_ENV, raising=False)
-    assert cpu_attention.decode_prefetch_l2_default() == cpu_attention.is_zen4()
-    assert cpu_attention.decode_prefetch_l2_default("l2") and not cpu_attention.decode_prefetch_l2_default("l1")
-    monkeypatch.setenv(cpu_attention.PREFETCH_ENV, "l1")
-    assert not cpu_attention.decode_prefetch_l2_default()
-    assert cpu_attention.decode_prefetch_l2_default("l2")  # an argument beats the environment
-    monkeypatch.setenv(cpu_attention.PREFETCH_ENV, "l3")
-    with pytest.raises(ValueError, match=re.escape("MINI_INFER_CPU_PREFETCH must be one of auto, l1, l2; got 'l3'")):
-        cpu_attention.decode_prefetch_l2_default()
-    with pytest.raises(ValueError, match=re.escape("prefetch must be one of auto, l1, l2; got 'L2'")):
-        cpu_attention.decode_prefetch_l2_default("L2")
-
-
 @pytest.mark.parametrize(("vendor", "family", "flags", "zen4"), [
     ("AuthenticAMD", "25", "fpu sse2 avx2 avx512f avx512_bf16", True),  # Zen 4
     ("AuthenticAMD", "25", "fpu sse2 avx2", False),  # Zen 3
@@ -202,19 +188,31 @@ def test_sdpa_prefill_takes_only_long_bf16_chunks():
                            cpu_attention.paged_attention(*long.args(), prefill="tiles"))
 
 
-def test_prefill_setting_is_checked_and_read_from_the_environment(monkeypatch):
-    monkeypatch.delenv(cpu_attention.PREFILL_ENV, raising=False)
-    assert cpu_attention.sdpa_prefill_default() == cpu_attention.has_amx()
-    assert cpu_attention.sdpa_prefill_default("sdpa") and not cpu_attention.sdpa_prefill_default("tiles")
-    monkeypatch.setenv(cpu_attention.PREFILL_ENV, "tiles")
-    assert not cpu_attention.sdpa_prefill_default()
-    assert cpu_attention.sdpa_prefill_default("sdpa")  # an argument beats the environment
-    monkeypatch.setenv(cpu_attention.PREFILL_ENV, "flash")
-    with pytest.raises(ValueError, match=re.escape("MINI_INFER_CPU_PREFILL must be one of auto, sdpa, tiles; "
-                                                   "got 'flash'")):
-        cpu_attention.sdpa_prefill_default()
-    with pytest.raises(ValueError, match=re.escape("prefill must be one of auto, sdpa, tiles; got 'SDPA'")):
-        cpu_attention.sdpa_prefill_default("SDPA")
+# name: (setting function, its variable, its "auto" answer here, its choices as the error lists
+# them, (choice that is on, choice that is off), a value that is no choice in the variable, and
+# one as the argument)
+SETTINGS = {
+    "prefill": (cpu_attention.sdpa_prefill_default, cpu_attention.PREFILL_ENV, cpu_attention.has_amx,
+                "auto, sdpa, tiles", ("sdpa", "tiles"), "flash", "SDPA"),
+    "prefetch": (cpu_attention.decode_prefetch_l2_default, cpu_attention.PREFETCH_ENV, cpu_attention.is_zen4,
+                 "auto, l1, l2", ("l2", "l1"), "l3", "L2"),
+}
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_setting_is_checked_and_read_from_the_environment(monkeypatch, name):
+    setting, env, auto, choices, (on, off), bad_env, bad_arg = SETTINGS[name]
+    monkeypatch.delenv(env, raising=False)
+    assert setting() == auto()
+    assert setting(on) and not setting(off)
+    monkeypatch.setenv(env, off)
+    assert not setting()
+    assert setting(on)  # an argument beats the environment
+    monkeypatch.setenv(env, bad_env)
+    with pytest.raises(ValueError, match=re.escape(f"{env} must be one of {choices}; got {bad_env!r}")):
+        setting()
+    with pytest.raises(ValueError, match=re.escape(f"{name} must be one of {choices}; got {bad_arg!r}")):
+        setting(bad_arg)
 
 
 def test_backend_dispatch_matches_reference():
