@@ -113,7 +113,8 @@ class OpenAIIngress:
                               "which this server does not compute", param="echo",
                               code="unsupported_parameter")
         prompt, params = body.engine_prompt(), body.sampling_params()  # checked before n sizes anything
-        formatter = ResponseFormatter(self.config.model_name, body.n, body.logprobs, body.include_usage)
+        formatter = ResponseFormatter(self.config.model_name, body.n, body.logprobs, body.include_usage,
+                                      body.continuous_usage)
         return await self._respond(request, body, prompt, params, formatter, echo=body.echo)
 
     @fastapi_app.post("/v1/chat/completions")
@@ -122,7 +123,7 @@ class OpenAIIngress:
         body.check_tools()
         prompt, params = body.engine_prompt(), body.sampling_params()  # checked before n sizes anything
         formatter = ChatFormatter(self.config.model_name, body.n, body.num_logprobs(), body.include_usage,
-                                  body.tool_mode())
+                                  body.tool_mode(), body.continuous_usage)
         return await self._respond(request, body, prompt, params, formatter, prompt_param="messages")
 
     @fastapi_app.get("/v1/models")

@@ -60,19 +60,24 @@ class ResponseFormatter:
         n: number of choices.
         num_logprobs: top alternatives per token, ``None`` when logprobs were not asked for.
         include_usage: streaming: end with a chunk carrying ``usage``.
+        continuous_usage: streaming: every chunk carries ``usage`` too (vLLM's
+            ``continuous_usage_stats``): the tokens of every engine output so far, including
+            the one the chunk comes from.
     """
 
     id_prefix = "cmpl"
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def __init__(self, model: str, n: int, num_logprobs: int | None, include_usage: bool) -> None:
+    def __init__(self, model: str, n: int, num_logprobs: int | None, include_usage: bool,
+                 continuous_usage: bool = False) -> None:
         self.id = new_id(self.id_prefix)
         self.created = now()
         self.model = model
         self.choices = [_Choice() for _ in range(n)]
         self.num_logprobs = num_logprobs
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
         self.num_prompt_tokens = 0
         self.echo_text: str | None = None  # the prompt, put before each choice's text (echo)
         self.num_cached_tokens = 0
@@ -124,6 +129,8 @@ class ResponseFormatter:
         return usage + [DONE]
 
     def _sse(self, choices: list[dict], **extra) -> str:
+        if self.continuous_usage:
+            extra.setdefault("usage", self.usage())
         body = {"id": self.id, "object": self.chunk_object_name, "created": self.created,
                 "model": self.model, "choices": choices, **extra}
         return f"data: {json.dumps(body)}\n\n"
@@ -180,13 +187,16 @@ class ChatFormatter(ResponseFormatter):
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(self, model: str, n: int, num_logprobs: int | None, include_usage: bool,
-                 tool_mode: ToolMode | None = None) -> None:
-        super().__init__(model, n, num_logprobs, include_usage)
+                 tool_mode: ToolMode | None = None, continuous_usage: bool = False) -> None:
+        super().__init__(model, n, num_logprobs, include_usage, continuous_usage)
         self.tool_mode = tool_mode
         self._tool_streams = [ToolCallStream(tool_mode) for _ in range(n)] if tool_mode else None
 
     def chunks(self, output: EngineOutput, first: bool) -> list[str]:
-        # The first chunk of each choice carries the assistant role, as OpenAI's does.
+        # The first chunk of each choice carries the assistant role, as OpenAI's does (with
+        # continuous usage: the prompt's tokens, none generated yet, as vLLM's).
+        if first:
+            self.num_prompt_tokens, self.num_cached_tokens = output["num_prompt_tokens"], output["num_cached_tokens"]
         roles = [self._sse([{"index": i, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None, "stop_reason": None}])
                  for i in range(len(self.choices))] if first else []

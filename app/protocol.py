@@ -97,12 +97,15 @@ def valid_unicode(value):
 
 
 class StreamOptions(RequestModel):
-    """OpenAI's ``stream_options``; another key (OpenAI's ``include_obfuscation``, vLLM's
-    ``continuous_usage_stats``) is a 400 naming it, not ignored."""
+    """OpenAI's ``stream_options`` and vLLM's ``continuous_usage_stats``; another key (OpenAI's
+    ``include_obfuscation``) is a 400 naming it, not ignored."""
 
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = Field(False, description="Send a last chunk with token usage.")
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM's: with include_usage, every chunk also carries the usage so far (completion "
+        "tokens over all choices up to and including that chunk's engine output).")
 
 
 class JsonSchemaFormat(RequestModel):
@@ -226,6 +229,10 @@ class SamplingRequest(RequestModel):
                                       f"range [0, 2]); got {self.temperature:g}", param="temperature")
         if self.stream_options is not None and not self.stream:  # as vLLM: not ignored silently
             raise InvalidRequestError("stream_options is only allowed with stream: true", param="stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats \
+                and not self.stream_options.include_usage:  # vLLM ignores it then; refused here
+            raise InvalidRequestError("stream_options.continuous_usage_stats needs stream_options.include_usage: "
+                                      "true", param="stream_options.continuous_usage_stats")
         max_tokens, logprobs = self.max_new_tokens(), self.num_logprobs()
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -311,6 +318,11 @@ class SamplingRequest(RequestModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """``stream_options.continuous_usage_stats`` (with ``include_usage``, as vLLM)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 # Levels of objects and arrays one request field may nest: far more than a real JSON schema or

@@ -55,6 +55,34 @@ def test_usage_counts_equal_the_tokenizer(client, tokenizer):
     assert stream[-1].usage.model_dump(exclude=exclude) == chat.usage.model_dump(exclude=exclude)
 
 
+def test_continuous_usage_stats_count_every_chunk(client, tokenizer):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far; the
+    chat role chunks count the prompt and no completion token."""
+    prompt = "Write one sentence about the sea."
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    num_prompt = len(tokenizer(prompt).input_ids)
+    assert all(c.usage is not None and c.usage.prompt_tokens == num_prompt for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 12
+    assert [c.usage.total_tokens - c.usage.prompt_tokens for c in chunks] == counts
+    assert chunks[-1].choices == [] and chunks[-2].choices[0].finish_reason == "length" and counts[-2] == 12
+    chat = list(client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=6, n=2, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    templated = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    num_prompt = len(tokenizer(templated, add_special_tokens=False).input_ids)
+    roles = [c for c in chat if c.choices and c.choices[0].delta.role == "assistant"]
+    assert len(roles) == 2 and all((c.usage.prompt_tokens, c.usage.completion_tokens) == (num_prompt, 0)
+                                   for c in roles)
+    counts = [c.usage.completion_tokens for c in chat]
+    assert counts == sorted(counts) and counts[-1] == 12  # two choices of 6
+    without = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, stream=True,
+                                                  stream_options={"include_usage": True}))
+    assert [c.usage is None for c in without] == [True] * (len(without) - 1) + [False]
+
+
 def test_n_choices_and_a_seed_that_repeats(client):
     kwargs = dict(model=MODEL, prompt="A name for a cat:", max_tokens=10, temperature=1.0, n=2, seed=1234)
     first = client.completions.create(**kwargs)

@@ -154,8 +154,8 @@ def _error_cases():
         ("chat logprobs 1", "/v1/chat/completions", {**CHAT, "logprobs": 1}, 400, "logprobs", None,
          "logprobs: Input should be a valid boolean"),
         ("stream_options key not served", "/v1/chat/completions",
-         {**CHAT, "stream_options": {"continuous_usage_stats": True}}, 400, "stream_options.continuous_usage_stats",
-         None, "stream_options.continuous_usage_stats: Extra inputs are not permitted"),
+         {**CHAT, "stream_options": {"include_obfuscation": True}}, 400, "stream_options.include_obfuscation",
+         None, "stream_options.include_obfuscation: Extra inputs are not permitted"),
         ("max_completion_tokens 0", "/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400,
          "max_completion_tokens", None, "max_completion_tokens must be >= 1; got 0"),
         # a deeper one was a 500 (jsonschema's recursion; Ray's pickling)
@@ -219,7 +219,7 @@ def test_bad_input_gets_the_envelope_streaming_or_not(api, case):
     assert responses[0].json() == responses[1].json()
 
 
-def test_stream_options_without_stream_is_refused_not_ignored(api):
+def test_stream_options_that_ask_for_nothing_are_refused_not_ignored(api):
     for path, body in (("/v1/completions", {"prompt": "Hi"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
         response = requests.post(api.url + path, timeout=60, json={
@@ -228,6 +228,14 @@ def test_stream_options_without_stream_is_refused_not_ignored(api):
         assert response.json()["error"] == {"message": "stream_options is only allowed with stream: true",
                                             "type": "invalid_request_error", "param": "stream_options",
                                             "code": None}
+        # vLLM ignores continuous_usage_stats without include_usage; refused here, not ignored
+        response = requests.post(api.url + path, timeout=60, json={
+            "model": MODEL, **body, "max_tokens": 2, "stream": True,
+            "stream_options": {"continuous_usage_stats": True}})
+        assert response.status_code == 400
+        assert response.json()["error"] == {
+            "message": "stream_options.continuous_usage_stats needs stream_options.include_usage: true",
+            "type": "invalid_request_error", "param": "stream_options.continuous_usage_stats", "code": None}
 
 
 def test_unknown_route_and_method_get_the_envelope(api):

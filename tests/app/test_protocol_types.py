@@ -55,9 +55,11 @@ def test_completion_values_keep_their_json_type(field, value, msg):
     ({"logit_bias": {"42": "5"}}, ("logit_bias", "42"), "Input should be a valid number"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, ("stream_options", "include_usage"),
      "Input should be a valid boolean"),
-    # a key OpenAI (include_obfuscation) or vLLM (continuous_usage_stats) defines: refused, not ignored
-    ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
-     ("stream_options", "continuous_usage_stats"), "Extra inputs are not permitted"),
+    # a key OpenAI defines (include_obfuscation) and this server does not serve: refused, not ignored
+    ({"stream": True, "stream_options": {"include_obfuscation": True}},
+     ("stream_options", "include_obfuscation"), "Extra inputs are not permitted"),
+    ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": "yes"}},
+     ("stream_options", "continuous_usage_stats"), "Input should be a valid boolean"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
      ("messages", 0, "content", "list[TextPart]", 0, "text"), "Input should be a valid string"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
