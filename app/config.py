@@ -8,15 +8,31 @@ the description), so that a setting added there appears here too.
 """
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from engine.config import EngineConfig, engine_args
 
 ENV_PREFIX = "MINI_INFER_"
+
+# The MINI_INFER_* variables that are not AppConfig fields, each read where it acts. Any other
+# MINI_INFER_* variable is an error in AppConfig.load (a misspelt MINI_INFER_API_KEY must not
+# leave the service open without a word); tests/app/test_config.py keeps this list complete.
+OTHER_SETTINGS = {
+    "MINI_INFER_CACHE": "engine.loader: where converted weights and the built extension are kept",
+    "MINI_INFER_CPU_ISA": "kernels.cpu_attention: the CPU attention's instruction set",
+    "MINI_INFER_CPU_PREFILL": "kernels.cpu_attention: the CPU prefill attention path",
+    "MINI_INFER_CPU_PREFETCH": "kernels.cpu_attention: the decode kernel's prefetch level",
+    "MINI_INFER_DEBUG_CHECKS": "engine.block_manager: check the block pool after every change",
+    "MINI_INFER_FIT_THREADS": "engine.threads: fit torch's threads to the free CPUs",
+    **{f"MINI_INFER_LOAD_{name}": "loadtest: the Locust load test's settings"
+       for name in ("MODEL", "MIX", "OUTPUT", "MAX_MODEL_LEN", "CHAT_TURNS", "CHAT_OUTPUT")},
+}
 
 # Default request-body limit: a prompt of max_model_len tokens sent as token ids takes at
 # most 7 bytes a token ("49151, "), as JSON-escaped text rarely over 12 (\uXXXX per CJK
@@ -87,8 +103,16 @@ class ServiceSettings(BaseModel):
         ``args``.
 
         Raises:
-            pydantic.ValidationError: naming the field, for a bad value or an unknown name.
+            pydantic.ValidationError: naming the field, for a bad value or an unknown name
+                (in ``args``, or a ``MINI_INFER_*`` variable that is neither a field nor one
+                of ``OTHER_SETTINGS``: the closest known name is suggested).
         """
+        unknown = sorted(name for name in os.environ if name.startswith(ENV_PREFIX) and name not in OTHER_SETTINGS
+                         and name.removeprefix(ENV_PREFIX).lower() not in cls.model_fields)
+        if unknown:
+            raise ValidationError.from_exception_data(cls.__name__, [
+                InitErrorDetails(type=_unknown_setting(name), loc=(name.removeprefix(ENV_PREFIX).lower(),),
+                                 input="") for name in unknown])  # not its value: it may be a secret
         values = {name: os.environ[ENV_PREFIX + name.upper()] for name in cls.model_fields
                   if ENV_PREFIX + name.upper() in os.environ}
         values.update(args or {})
@@ -172,3 +196,11 @@ AppConfig = create_model("AppConfig", __base__=ServiceSettings, __module__=__nam
                          __doc__="Settings of the OpenAI-compatible service "
                                  "(``serve run app:build_app key=value``).",
                          **_engine_fields())
+
+
+def _unknown_setting(variable: str) -> PydanticCustomError:
+    """The error for a ``MINI_INFER_*`` variable that no setting has, with the closest name."""
+    known = [ENV_PREFIX + name.upper() for name in AppConfig.model_fields] + list(OTHER_SETTINGS)
+    close = difflib.get_close_matches(variable, known, n=1, cutoff=0.8)
+    hint = f"; did you mean {close[0]}?" if close else " (the settings are AppConfig's fields as MINI_INFER_<FIELD>)"
+    return PydanticCustomError("unknown_setting", "not a mini-infer setting{hint}", {"hint": hint})

@@ -30,6 +30,48 @@ def test_unknown_and_invalid_settings_name_the_field():
         AppConfig.load({"stream_batching_interval_ms": -1})
 
 
+def test_an_unknown_mini_infer_variable_is_an_error_with_the_closest_name(monkeypatch):
+    """A misspelt MINI_INFER_API_KEY must not leave the service open without a word."""
+    monkeypatch.setenv("MINI_INFER_API_KEYS", "secret-value")
+    monkeypatch.setenv("MINI_INFER_ZZZ", "1")
+    monkeypatch.setenv("MINI_INFER_CPU_ISA", "avx2")  # read by the kernels, not a field: known
+    with pytest.raises(ValidationError) as caught:
+        AppConfig.load()
+    errors = [(e["loc"], e["msg"], e["input"]) for e in caught.value.errors()]
+    assert errors == [
+        (("api_keys",), "not a mini-infer setting; did you mean MINI_INFER_API_KEY?", ""),
+        (("zzz",), "not a mini-infer setting (the settings are AppConfig's fields as MINI_INFER_<FIELD>)", "")]
+    assert "secret-value" not in str(caught.value)
+    monkeypatch.delenv("MINI_INFER_API_KEYS")
+    monkeypatch.delenv("MINI_INFER_ZZZ")
+    assert AppConfig.load().api_key is None
+
+
+def test_every_mini_infer_variable_the_project_names_is_known():
+    """OTHER_SETTINGS lists exactly the MINI_INFER_* variables read outside AppConfig: every
+    name the code and docs use is a field or one of them, and each of them is still read."""
+    import re
+    from pathlib import Path
+
+    from app.config import ENV_PREFIX, OTHER_SETTINGS
+
+    root = Path(__file__).resolve().parents[2]
+    # (not kernels/csrc: C++ macros share the prefix; the C++ reads no environment)
+    files = [p for folder in ("app", "engine", "kernels", "bench", "loadtest", "scripts", "docs", "tests")
+             for p in (root / folder).rglob("*") if p.suffix in (".py", ".md", ".sh", ".yaml")]
+    files += [root / name for name in ("README.md", "Makefile", "Dockerfile")]
+    named: dict[str, set[Path]] = {}
+    for path in files:
+        for name in re.findall(r"\bMINI_INFER_[A-Z0-9_]*[A-Z0-9]\b", path.read_text(errors="replace")):
+            named.setdefault(name, set()).add(path.relative_to(root))
+    fields = {ENV_PREFIX + name.upper() for name in AppConfig.model_fields}
+    test_names = {"MINI_INFER_API_KEYS", "MINI_INFER_ZZZ", "MINI_INFER_MAX_NUM_SEQ"}  # misspelt on purpose
+    assert {n: p for n, p in named.items() if n not in fields | set(OTHER_SETTINGS) | test_names} == {}
+    read = {name for name, paths in named.items() for path in paths
+            if path.parts[0] not in ("tests", "docs") and path != Path("app/config.py")}
+    assert set(OTHER_SETTINGS) - read == set()
+
+
 @pytest.mark.parametrize("device,cluster_gpus,expected", [
     ("auto", 8.0, True), ("auto", 0.0, False), ("cuda", 0.0, True), ("cpu", 8.0, False)])
 def test_engine_placement_follows_the_ray_cluster(monkeypatch, device, cluster_gpus, expected):
