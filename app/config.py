@@ -83,8 +83,9 @@ class ServiceSettings(BaseModel):
         "records across Ray and fewer SSE events, at up to this much added inter-token latency. "
         "The first token is sent at once. 0 (the default; Ray Serve LLM's is 50): a record per "
         "engine step, as vLLM streams. docs/PERFORMANCE.md has what 50 and 100 gave on w1_mixed.")
-    api_key: str | None = Field(None, description="If set, every route but /health needs "
-                                "`Authorization: Bearer <api_key>`.")
+    api_key: str | None = Field(None, min_length=1, description="If set, every route but /health needs "
+                                "`Authorization: Bearer <api_key>`; an empty one is an error (an unset shell "
+                                "variable), not a service without a key.")
     max_request_body_bytes: int | None = Field(
         None, ge=1, description="Largest request body the ingress reads; a larger one gets 413 "
         "before it is parsed. Default: 64 bytes per token of max_model_len, plus 1 MiB.")
@@ -107,12 +108,12 @@ class ServiceSettings(BaseModel):
                 (in ``args``, or a ``MINI_INFER_*`` variable that is neither a field nor one
                 of ``OTHER_SETTINGS``: the closest known name is suggested).
         """
-        unknown = sorted(name for name in os.environ if name.startswith(ENV_PREFIX) and name not in OTHER_SETTINGS
-                         and name.removeprefix(ENV_PREFIX).lower() not in cls.model_fields)
-        if unknown:
+        fields = {ENV_PREFIX + name.upper() for name in cls.model_fields}
+        unknown = sorted(name for name in os.environ  # exact names: MINI_INFER_api_key is not read
+                         if name.startswith(ENV_PREFIX) and name not in OTHER_SETTINGS and name not in fields)
+        if unknown:  # loc: the variable as written; input: not its value, which may be a secret
             raise ValidationError.from_exception_data(cls.__name__, [
-                InitErrorDetails(type=_unknown_setting(name), loc=(name.removeprefix(ENV_PREFIX).lower(),),
-                                 input="") for name in unknown])  # not its value: it may be a secret
+                InitErrorDetails(type=_unknown_setting(name), loc=(name,), input="") for name in unknown])
         values = {name: os.environ[ENV_PREFIX + name.upper()] for name in cls.model_fields
                   if ENV_PREFIX + name.upper() in os.environ}
         values.update(args or {})
@@ -201,6 +202,7 @@ AppConfig = create_model("AppConfig", __base__=ServiceSettings, __module__=__nam
 def _unknown_setting(variable: str) -> PydanticCustomError:
     """The error for a ``MINI_INFER_*`` variable that no setting has, with the closest name."""
     known = [ENV_PREFIX + name.upper() for name in AppConfig.model_fields] + list(OTHER_SETTINGS)
-    close = difflib.get_close_matches(variable, known, n=1, cutoff=0.8)
+    close = [variable.upper()] if variable.upper() in known else \
+        difflib.get_close_matches(variable.upper(), known, n=1, cutoff=0.8)
     hint = f"; did you mean {close[0]}?" if close else " (the settings are AppConfig's fields as MINI_INFER_<FIELD>)"
     return PydanticCustomError("unknown_setting", "not a mini-infer setting{hint}", {"hint": hint})

@@ -235,7 +235,9 @@ class EngineServer:
                 logger.exception("recording engine metrics failed")
 
     def __del__(self) -> None:
-        self._stop.set()
+        stop = getattr(self, "_stop", None)  # None where __init__ failed before making it
+        if stop is not None:
+            stop.set()
         self.llm.shutdown(timeout=1.0)
 
 

@@ -47,9 +47,12 @@ try:
     config.AppConfig.load()
 except pydantic.ValidationError as exc:
     for error in exc.errors():
-        where = f"{config.ENV_PREFIX}{str(error['loc'][0]).upper()}" if error["loc"] else "settings"
-        if error["loc"] and error["type"] != "unknown_setting":  # (an unknown one's value may be a secret)
-            where += f"={error['input']!r}"
+        if error["type"] == "unknown_setting":  # the variable as written (its value may be a secret)
+            where = error["loc"][0]
+        elif error["loc"]:
+            where = f"{config.ENV_PREFIX}{str(error['loc'][0]).upper()}={error['input']!r}"
+        else:
+            where = "settings"
         print(f"{where}: {error['msg'].removeprefix('Value error, ')}", file=sys.stderr)
     sys.exit(2)
 """

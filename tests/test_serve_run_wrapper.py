@@ -94,8 +94,9 @@ def test_an_invalid_setting_is_one_line_naming_its_variable_and_no_serve_run(tmp
     assert err.startswith("settings: max_num_batched_tokens (32) must be >= max_num_seqs (64)")
     # A misspelt variable (its value, perhaps a secret, is not printed)
     (tmp_path / "c").mkdir()
-    env = {**os.environ, "MINI_INFER_API_KEYS": "secret-value"}
+    env = {**os.environ, "MINI_INFER_API_KEYS": "secret-value", "MINI_INFER_api_key": "secret-value"}
     wrapper = _start(tmp_path / "c", ignore_sigint=False, env=env, stderr=subprocess.PIPE)
     out, err = wrapper.communicate(timeout=60)
     assert wrapper.returncode == 2 and out == ""
-    assert err.splitlines() == ["MINI_INFER_API_KEYS: not a mini-infer setting; did you mean MINI_INFER_API_KEY?"]
+    assert err.splitlines() == ["MINI_INFER_API_KEYS: not a mini-infer setting; did you mean MINI_INFER_API_KEY?",
+                                "MINI_INFER_api_key: not a mini-infer setting; did you mean MINI_INFER_API_KEY?"]

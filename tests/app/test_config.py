@@ -39,12 +39,24 @@ def test_an_unknown_mini_infer_variable_is_an_error_with_the_closest_name(monkey
         AppConfig.load()
     errors = [(e["loc"], e["msg"], e["input"]) for e in caught.value.errors()]
     assert errors == [
-        (("api_keys",), "not a mini-infer setting; did you mean MINI_INFER_API_KEY?", ""),
-        (("zzz",), "not a mini-infer setting (the settings are AppConfig's fields as MINI_INFER_<FIELD>)", "")]
+        (("MINI_INFER_API_KEYS",), "not a mini-infer setting; did you mean MINI_INFER_API_KEY?", ""),
+        (("MINI_INFER_ZZZ",), "not a mini-infer setting (the settings are AppConfig's fields as MINI_INFER_<FIELD>)",
+         "")]
     assert "secret-value" not in str(caught.value)
     monkeypatch.delenv("MINI_INFER_API_KEYS")
     monkeypatch.delenv("MINI_INFER_ZZZ")
     assert AppConfig.load().api_key is None
+    # names are exact: a lowercase one is not read, so it is not taken either (a hostile trial's)
+    monkeypatch.setenv("MINI_INFER_api_key", "secret-value")
+    with pytest.raises(ValidationError) as caught:
+        AppConfig.load()
+    assert [(e["loc"], e["msg"]) for e in caught.value.errors()] == [
+        (("MINI_INFER_api_key",), "not a mini-infer setting; did you mean MINI_INFER_API_KEY?")]
+    monkeypatch.delenv("MINI_INFER_api_key")
+    # an empty key would serve without one: refused
+    monkeypatch.setenv("MINI_INFER_API_KEY", "")
+    with pytest.raises(ValidationError, match=r"api_key\n  String should have at least 1 character"):
+        AppConfig.load()
 
 
 def test_every_mini_infer_variable_the_project_names_is_known():
