@@ -61,8 +61,8 @@ class ResponseFormatter:
         num_logprobs: top alternatives per token, ``None`` when logprobs were not asked for.
         include_usage: streaming: end with a chunk carrying ``usage``.
         continuous_usage: streaming: every chunk carries ``usage`` too (vLLM's
-            ``continuous_usage_stats``): the tokens of every engine output so far, including
-            the one the chunk comes from.
+            ``continuous_usage_stats``): as vLLM's, a choice's chunk counts that choice's
+            tokens so far, including the chunk's own (0 in a chat role chunk).
     """
 
     id_prefix = "cmpl"
@@ -102,8 +102,9 @@ class ResponseFormatter:
             deltas.append((delta["index"], delta))
         return deltas
 
-    def usage(self) -> dict:
-        completion = sum(c.num_tokens for c in self.choices)
+    def usage(self, choice: int | None = None) -> dict:
+        """Token counts: of every choice, or of the one at index ``choice``."""
+        completion = sum(c.num_tokens for c in (self.choices if choice is None else [self.choices[choice]]))
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.num_prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
@@ -129,8 +130,8 @@ class ResponseFormatter:
         return usage + [DONE]
 
     def _sse(self, choices: list[dict], **extra) -> str:
-        if self.continuous_usage:
-            extra.setdefault("usage", self.usage())
+        if self.continuous_usage and "usage" not in extra:  # a choice's chunk: that choice's count
+            extra["usage"] = self.usage(choices[0]["index"] if len(choices) == 1 else None)
         body = {"id": self.id, "object": self.chunk_object_name, "created": self.created,
                 "model": self.model, "choices": choices, **extra}
         return f"data: {json.dumps(body)}\n\n"

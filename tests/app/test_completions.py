@@ -69,15 +69,21 @@ def test_continuous_usage_stats_count_every_chunk(client, tokenizer):
     assert [c.usage.total_tokens - c.usage.prompt_tokens for c in chunks] == counts
     assert chunks[-1].choices == [] and chunks[-2].choices[0].finish_reason == "length" and counts[-2] == 12
     chat = list(client.chat.completions.create(
-        model=MODEL, messages=QUESTION, temperature=0, max_tokens=6, n=2, stream=True,
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=6, n=2, stream=True, logprobs=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
     templated = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
     num_prompt = len(tokenizer(templated, add_special_tokens=False).input_ids)
     roles = [c for c in chat if c.choices and c.choices[0].delta.role == "assistant"]
     assert len(roles) == 2 and all((c.usage.prompt_tokens, c.usage.completion_tokens) == (num_prompt, 0)
                                    for c in roles)
-    counts = [c.usage.completion_tokens for c in chat]
-    assert counts == sorted(counts) and counts[-1] == 12  # two choices of 6
+    # as vLLM's: a choice's chunk counts that choice's tokens (a hostile trial saw the other's too)
+    for index in (0, 1):
+        mine = [c for c in chat if c.choices and c.choices[0].index == index]
+        counts = [c.usage.completion_tokens for c in mine]
+        assert counts[0] == 0 and counts[-1] == 6
+        # each chunk adds the tokens it carries (its logprobs have one entry a token)
+        assert [b - a for a, b in zip(counts, counts[1:], strict=False)] == [len(c.choices[0].logprobs.content) for c in mine[1:]]
+    assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == 12  # two choices of 6
     without = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, stream=True,
                                                   stream_options={"include_usage": True}))
     assert [c.usage is None for c in without] == [True] * (len(without) - 1) + [False]
