@@ -82,7 +82,8 @@ def test_continuous_usage_stats_count_every_chunk(client, tokenizer):
         counts = [c.usage.completion_tokens for c in mine]
         assert counts[0] == 0 and counts[-1] == 6
         # each chunk adds the tokens it carries (its logprobs have one entry a token)
-        assert [b - a for a, b in zip(counts, counts[1:], strict=False)] == [len(c.choices[0].logprobs.content) for c in mine[1:]]
+        steps = [b - a for a, b in zip(counts, counts[1:], strict=False)]
+        assert steps == [len(c.choices[0].logprobs.content) for c in mine[1:]]
     assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == 12  # two choices of 6
     without = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, stream=True,
                                                   stream_options={"include_usage": True}))
