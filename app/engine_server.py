@@ -21,7 +21,7 @@ from app.metrics import EngineMetrics, Families
 from app.records import CompletionDelta, EngineOutput, LogprobEntry, Rejection
 from engine.async_llm import AsyncLLM
 from engine.detokenizer import TokenBytes
-from engine.errors import EngineOverloadedError
+from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -149,24 +149,29 @@ class EngineServer:
                 if stream and self.config.stream_batching_interval_ms > 0:
                     source = _batch_outputs(source, self.config.stream_batching_interval_ms / 1000)
                 async with contextlib.aclosing(source):  # before outputs: it may be reading them
-                    async for output in source:
-                        timing.tick(self.metrics)
-                        num_prompt_tokens = len(output.prompt_token_ids)
-                        num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
-                        finish_reasons += [c.finish_reason for c in output.outputs if c.finish_reason]
-                        if not stream:
-                            if held is None:
-                                held = output
-                            else:
-                                held.add(output)
-                            if not output.finished:
-                                continue
-                            output = held
-                        record = output_to_dict(output, self.replica_id, self.token_bytes)
-                        if echo and not sent_any:
-                            record["prompt_text"] = self._prompt_text(output)
-                        sent_any = True
-                        yield record
+                    try:
+                        async for output in source:
+                            timing.tick(self.metrics)
+                            num_prompt_tokens = len(output.prompt_token_ids)
+                            num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                            finish_reasons += [c.finish_reason for c in output.outputs if c.finish_reason]
+                            if not stream:
+                                if held is None:
+                                    held = output
+                                else:
+                                    held.add(output)
+                                if not output.finished:
+                                    continue
+                                output = held
+                            record = output_to_dict(output, self.replica_id, self.token_bytes)
+                            if echo and not sent_any:
+                                record["prompt_text"] = self._prompt_text(output)
+                            sent_any = True
+                            yield record
+                    except InvalidRequestError as exc:  # the request's own fault mid-way: its 400
+                        rejected = True
+                        yield rejection(exc)
+                        return
             completed = True
         finally:
             if not (completed or rejected):  # the client left (or the request failed) first

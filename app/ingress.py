@@ -286,7 +286,7 @@ class OpenAIIngress:
             raise error
         headers = {REPLICA_HEADER: first["replica_id"]}
         if body.stream:
-            return ClosingStreamingResponse(self._sse(request, first, call, formatter), call.close,
+            return ClosingStreamingResponse(self._sse(request, body, first, call, formatter), call.close,
                                             headers=headers, media_type="text/event-stream")
         try:
             formatter.add(first)
@@ -302,7 +302,7 @@ class OpenAIIngress:
             call.close()
         return JSONResponse(formatter.response(), headers=headers)
 
-    async def _sse(self, request: Request, first: dict, call: _EngineCall,
+    async def _sse(self, request: Request, body: SamplingRequest, first: dict, call: _EngineCall,
                    formatter: ResponseFormatter) -> AsyncIterator[str]:
         num_events = 0
         try:
@@ -310,6 +310,11 @@ class OpenAIIngress:
                 num_events += 1
                 yield chunk
             async for output in call.stream:
+                if "status_code" in output:  # a Rejection: the request's own fault mid-way (its last record)
+                    call.finished = True
+                    error = OpenAIError(**output)
+                    error.message, error.param = body.client_param(error.message, error.param)
+                    raise error
                 for chunk in formatter.chunks(output, first=False):
                     num_events += 1
                     yield chunk

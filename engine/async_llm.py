@@ -17,7 +17,7 @@ import uuid
 from typing import AsyncIterator
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, RequestFailedError
+from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -65,6 +65,8 @@ class AsyncLLM:
 
         Raises:
             ValueError: the request can never be served (see ``LLMEngine.add_request``).
+            InvalidRequestError: the request failed through its own input mid-way (a
+                structured output's constraint that no text matches), naming the field.
             RequestFailedError: the engine failed the request mid-way.
             EngineDeadError: the step loop has stopped.
         """
@@ -84,8 +86,9 @@ class AsyncLLM:
                 item, pending = (await stream.get() if pending is None else pending), None
                 if isinstance(item, BaseException):
                     raise item
-                if item.error is not None:
-                    raise RequestFailedError(item.error)
+                if item.error is not None:  # the request's own fault (a 400), or the engine's
+                    raise (InvalidRequestError(item.error, item.error_param) if item.error_param is not None
+                           else RequestFailedError(item.error))
                 item, pending = _coalesce(item, stream, params.output_kind)
                 finished = item.finished
                 yield item

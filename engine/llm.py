@@ -9,6 +9,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -63,7 +64,8 @@ class LLM:
 
         Raises:
             ValueError: for an invalid prompt (nothing is left queued) or a params list of
-                the wrong length.
+                the wrong length; ``InvalidRequestError`` for a request that failed through its
+                own input (a structured output's constraint that no text matches).
             RuntimeError: if the engine failed a request.
         """
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
@@ -113,6 +115,8 @@ class LLM:
                     if output.error is not None:
                         for request_id in request_ids:
                             engine.abort_request(request_id)
+                        if output.error_param is not None:  # the request's own fault
+                            raise InvalidRequestError(output.error, output.error_param)
                         raise RuntimeError(f"request {output.request_id} failed: {output.error}")
                     finished[output.request_id] = output
                     bar.update()

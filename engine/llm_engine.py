@@ -356,8 +356,13 @@ class LLMEngine:
     def _record_token(self, sequence: Request, token) -> None:
         """Check ``token`` against the sequence's grammar, detokenize it, apply stop strings."""
         if sequence.grammar is not None and not sequence.grammar.accept(token.token_id):
-            self._fail_sequence(sequence, f"structured_outputs: the grammar does not allow the "
-                                          f"sampled token {token.token_id}")
+            if sequence.grammar.allows_no_token():  # the client's constraint, not a masking bug
+                param = f"structured_outputs.{sequence.sampling_params.structured_outputs.kind}"
+                self._fail_sequence(sequence, f"{param}: no text matches the constraint: it allows no token "
+                                              f"after the {sequence.num_output_tokens - 1} generated", param)
+            else:
+                self._fail_sequence(sequence, f"structured_outputs: the grammar does not allow the "
+                                              f"sampled token {token.token_id}")
         self.num_generation_tokens += 1
         stop = self.output_processor.add_token(sequence, token)
         if stop is not None:
@@ -415,11 +420,13 @@ class LLMEngine:
                                       request.grammar.error)
         self._compiling = still
 
-    def _fail_sequence(self, sequence: Request, error: str) -> None:
-        logger.error("request %s: %s", sequence.request_id, error)
+    def _fail_sequence(self, sequence: Request, error: str, param: str | None = None) -> None:
+        """End ``sequence`` as failed: the engine's fault, or with ``param`` (the request field at
+        fault) the request's own, a client error logged as one line."""
+        (logger.info if param is not None else logger.error)("request %s: %s", sequence.request_id, error)
         if not sequence.status.is_finished:
             self.scheduler.finish_request(sequence.seq_id, RequestStatus.FINISHED_ERROR)
-        sequence.error = error
+        sequence.error, sequence.error_param = error, param
 
     def _stop_at_string(self, sequence: Request, stop: str) -> None:
         """End a sequence whose new token completed the stop string ``stop``.

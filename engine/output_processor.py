@@ -166,10 +166,12 @@ class OutputProcessor:
             completions = [self._completion(state, i, deltas[i]) for i in changed]
         else:
             completions = [self._completion(state, i, None) for i in sorted(state.sequences)]
+        failed = next((s for s in state.sequences.values() if s.error), None)
         return RequestOutput(request_id=state.request_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=completions,
                              finished=finished, metrics=state.metrics,
-                             error=next((s.error for s in state.sequences.values() if s.error), None),
+                             error=failed.error if failed is not None else None,
+                             error_param=failed.error_param if failed is not None else None,
                              num_cached_tokens=first.num_cached_tokens)
 
     def _pop_delta(self, state: RequestState, index: int) -> str:

@@ -73,6 +73,8 @@ class RequestOutput:
         finished: whether the request is done (all its sequences).
         metrics: arrival, first-token and last-token times.
         error: why the engine failed the request, if it did.
+        error_param: the request field at fault, where the failure was the request's own (a
+            structured output's constraint that no text matches); ``None`` for the engine's faults.
         num_cached_tokens: prompt tokens whose K/V came from the prefix cache when the
             request was first scheduled (``None`` before that).
     """
@@ -84,6 +86,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
+    error_param: str | None = None
     num_cached_tokens: int | None = None
 
     def add(self, later: RequestOutput) -> None:
@@ -105,4 +108,5 @@ class RequestOutput:
             earlier.finish_reason, earlier.stop_reason = completion.finish_reason, completion.stop_reason
         self.finished = later.finished
         self.metrics = later.metrics or self.metrics
-        self.error = later.error or self.error
+        if later.error is not None:
+            self.error, self.error_param = later.error, later.error_param

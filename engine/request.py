@@ -74,6 +74,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     error: str | None = None
+    error_param: str | None = None  # the request field at fault where the client's input failed it
     output_logprobs: SampleLogprobs = field(default_factory=list)
     cumulative_logprob: float = 0.0
     grammar: SequenceGrammar | None = None  # structured outputs: this sequence's matcher

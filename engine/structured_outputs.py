@@ -421,6 +421,16 @@ class SequenceGrammar:
         """An independent copy at the same position (for a fork of a request with n > 1)."""
         return SequenceGrammar(self._future, None if self.matcher is None else self.matcher.fork())
 
+    def allows_no_token(self) -> bool:
+        """Whether the constraint allows no next token at all, not even a stop token: no text
+        matches it from here (``root ::= root``, the regex ``[^\\s\\S]``), the request's
+        fault. Fills one bitmask (microseconds); only called after a rejected token."""
+        if not self.is_active:
+            return False
+        bitmask = xgr.allocate_token_bitmask(1, self._future.result().tokenizer_info.vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask)
+        return not bool(bitmask.any())
+
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; ``False`` if the grammar forbids it (a bug: the mask
         allowed it). Tokens after termination are accepted unchecked."""

@@ -357,6 +357,9 @@ BAD = [
     ("/v1/chat/completions", {"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}}], "tool_choice": "required"},
      "tools[1].function.parameters"),
+    # constraints no text matches: they compile, and allow no first token (a hostile trial's 500s)
+    ("/v1/completions", {"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs.grammar"),
+    ("/v1/chat/completions", {"guided_regex": "[^\\s\\S]"}, "guided_regex"),
 ]
 
 
@@ -369,3 +372,25 @@ def test_a_bad_constraint_is_a_400_naming_the_field_streamed_or_not(api, path, f
         assert response.status_code == 400, response.text
         assert response.headers["content-type"].startswith("application/json")
         assert response.json()["error"]["param"] == param, response.text
+
+
+def test_a_constraint_that_dead_ends_after_a_token_is_a_400_or_its_sse_error(api):
+    """A string whose pattern no character matches allows the opening quote, then nothing: not
+    streamed, a 400 naming the field; streamed, the quote's chunk and then the SSE error event."""
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 5, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "[^\\s\\S]"}}}}
+    message = ("response_format.json_schema.schema: no text matches the constraint: it allows no token after the 1 "
+               "generated")
+    response = requests.post(api.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"] == {"message": message, "type": "invalid_request_error",
+                                        "param": "response_format.json_schema.schema", "code": None}
+    response = requests.post(api.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60)
+    assert response.status_code == 200
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"] == {"message": message, "type": "invalid_request_error",
+                                               "param": "response_format.json_schema.schema", "code": None}
+    content = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-2])
+    assert content == '"'
+

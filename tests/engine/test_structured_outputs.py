@@ -206,6 +206,25 @@ def test_invalid_constraints_are_value_errors_naming_the_field(llm, constraint, 
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("constraint, param, num_tokens", [
+    ({"grammar": "root ::= root"}, "structured_outputs.grammar", 0),
+    ({"regex": r"[^\s\S]"}, "structured_outputs.regex", 0),
+    ({"json": {"type": "string", "pattern": r"[^\s\S]"}}, "structured_outputs.json", 1),  # the opening quote
+])
+def test_a_constraint_no_text_matches_fails_its_request_as_its_own_fault(llm, constraint, param, num_tokens):
+    """It compiles, but allows no token (not even EOS) from the start or after a prefix: an
+    InvalidRequestError naming the field (a 400 behind HTTP; it was a 500), and nothing left
+    behind."""
+    other = SamplingParams(temperature=0.0, max_tokens=4)
+    with pytest.raises(ValueError, match=re.escape(f"{param}: no text matches the constraint: it allows no "
+                                                   f"token after the {num_tokens} generated")) as info:
+        llm.generate(["x"], [SamplingParams(n=2, max_tokens=4, structured_outputs=StructuredOutputsParams(
+            **constraint))])
+    assert info.value.param == param
+    assert_idle(llm)
+    assert len(llm.generate(["x"], other)[0].outputs[0].token_ids) == 4
+
+
 @pytest.mark.parametrize("schema, message", [
     # xgrammar left these unconstrained (any value passed): refused instead
     ({"properties": {"x": {"$ref": "#foo"}}, "$defs": {"A": {"$anchor": "foo", "type": "integer"}}},
