@@ -25,9 +25,9 @@ ENV_PREFIX = "MINI_INFER_"
 # leave the service open without a word); tests/app/test_config.py keeps this list complete.
 OTHER_SETTINGS = {
     "MINI_INFER_CACHE": "engine.loader: where converted weights and the built extension are kept",
-    "MINI_INFER_CPU_ISA": "kernels.cpu_attention: the CPU attention's instruction set",
-    "MINI_INFER_CPU_PREFILL": "kernels.cpu_attention: the CPU prefill attention path",
-    "MINI_INFER_CPU_PREFETCH": "kernels.cpu_attention: the decode kernel's prefetch level",
+    "MINI_INFER_CPU_ISA": "kernels.cpu_settings: the CPU attention's instruction set",
+    "MINI_INFER_CPU_PREFILL": "kernels.cpu_settings: the CPU prefill attention path",
+    "MINI_INFER_CPU_PREFETCH": "kernels.cpu_settings: the decode kernel's prefetch level",
     "MINI_INFER_DEBUG_CHECKS": "engine.block_manager: check the block pool after every change",
     "MINI_INFER_FIT_THREADS": "engine.threads: fit torch's threads to the free CPUs",
     **{f"MINI_INFER_LOAD_{name}": "loadtest: the Locust load test's settings"
@@ -114,6 +114,7 @@ class ServiceSettings(BaseModel):
         if unknown:  # loc: the variable as written; input: not its value, which may be a secret
             raise ValidationError.from_exception_data(cls.__name__, [
                 InitErrorDetails(type=_unknown_setting(name), loc=(name,), input="") for name in unknown])
+        _check_other_settings()
         values = {name: os.environ[ENV_PREFIX + name.upper()] for name in cls.model_fields
                   if ENV_PREFIX + name.upper() in os.environ}
         values.update(args or {})
@@ -197,6 +198,28 @@ AppConfig = create_model("AppConfig", __base__=ServiceSettings, __module__=__nam
                          __doc__="Settings of the OpenAI-compatible service "
                                  "(``serve run app:build_app key=value``).",
                          **_engine_fields())
+
+
+def _check_other_settings() -> None:
+    """The values of the ``OTHER_SETTINGS`` that have choices (the CPU kernels', the thread
+    fitting's), checked where they are read, so that ``make run`` refuses a bad one in one line
+    before Ray starts instead of a failed deployment's tracebacks.
+
+    Raises:
+        pydantic.ValidationError: the reader's message, which names the variable.
+    """
+    from engine.threads import fit_threads_setting
+    from kernels.cpu_settings import check_environment
+
+    errors = []
+    for check in (check_environment, fit_threads_setting):
+        try:
+            check()
+        except ValueError as exc:
+            errors.append(InitErrorDetails(type=PydanticCustomError("invalid_setting", "{reason}",
+                                                                    {"reason": str(exc)}), loc=(), input=""))
+    if errors:
+        raise ValidationError.from_exception_data("AppConfig", errors)
 
 
 def _unknown_setting(variable: str) -> PydanticCustomError:

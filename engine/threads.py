@@ -152,6 +152,20 @@ def kernel_thp_mode() -> str | None:
         return None
 
 
+def fit_threads_setting() -> bool:
+    """``$MINI_INFER_FIT_THREADS``: whether ``FreeCpuThreads`` fits the threads to the free
+    CPUs (``1``, the default) or keeps ``cpus_given()`` (``0``).
+
+    Raises:
+        ValueError: naming the variable, for another value.
+    """
+    setting = os.environ.get(FIT_THREADS_SETTING, "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"{FIT_THREADS_SETTING} must be 0 (always cpus_given() threads) or 1 "
+                         f"(fewer while other processes use the CPUs); got {setting!r}")
+    return setting == "1"
+
+
 def configure_cpu_threads() -> int:
     """Set torch's intra-op threads to ``cpus_given()`` and return that number."""
     import torch
@@ -240,11 +254,7 @@ class FreeCpuThreads:
 
             set_threads = torch.set_num_threads
         self._set_threads = set_threads
-        setting = os.environ.get(FIT_THREADS_SETTING, "1")
-        if setting not in ("0", "1"):
-            raise ValueError(f"{FIT_THREADS_SETTING} must be 0 (always cpus_given() threads) or 1 "
-                             f"(fewer while other processes use the CPUs); got {setting!r}")
-        fitting = max_threads > 1 and setting == "1"
+        fitting = max_threads > 1 and fit_threads_setting()
         self._last = self._read() if fitting else None
 
     @property

@@ -31,14 +31,12 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu_settings import ISA_ENV, PREFETCH_CHOICES, PREFETCH_ENV, PREFILL_CHOICES, PREFILL_ENV
+from kernels.cpu_settings import choice as _choice
+
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "attention_kernels.cpp"]
-ISA_ENV = "MINI_INFER_CPU_ISA"  # the kernels a call that names none runs: "auto" or a name
-PREFILL_ENV = "MINI_INFER_CPU_PREFILL"  # how long bf16 prefill chunks run: "auto", "sdpa" or "tiles"
-PREFILL_CHOICES = ("auto", "sdpa", "tiles")
-PREFETCH_ENV = "MINI_INFER_CPU_PREFETCH"  # where decode prefetches K/V rows: "auto", "l1" or "l2"
-PREFETCH_CHOICES = ("auto", "l1", "l2")
 BUILD_CFLAGS = ["-O3", "-fopenmp"]  # no -march: the kernels pick their instruction sets (attention_kernels.cpp)
 BUILD_LDFLAGS = ["-fopenmp"]
 
@@ -105,20 +103,6 @@ def selected_isa(head_dim: int, isa: str | None = None) -> str:
         RuntimeError: as ``paged_attention`` for an ``isa`` this CPU cannot run.
     """
     return load().selected_isa(head_dim, _isa(isa))
-
-
-def _choice(value: str | None, name: str, env: str, choices: tuple[str, ...]) -> str:
-    """``value``, or where None ``$env``, else ``"auto"``, checked against ``choices``.
-
-    Raises:
-        ValueError: naming ``name``, or ``env`` where the value came from there.
-    """
-    source = name
-    if value is None:
-        value, source = os.environ.get(env) or "auto", env
-    if value not in choices:
-        raise ValueError(f"{source} must be one of {', '.join(choices)}; got {value!r}")
-    return value
 
 
 @functools.cache

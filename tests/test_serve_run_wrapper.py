@@ -100,3 +100,11 @@ def test_an_invalid_setting_is_one_line_naming_its_variable_and_no_serve_run(tmp
     assert wrapper.returncode == 2 and out == ""
     assert err.splitlines() == ["MINI_INFER_API_KEYS: not a mini-infer setting; did you mean MINI_INFER_API_KEY?",
                                 "MINI_INFER_api_key: not a mini-infer setting; did you mean MINI_INFER_API_KEY?"]
+    # A variable read outside AppConfig, with a value its reader refuses (it failed the deployment)
+    (tmp_path / "d").mkdir()
+    wrapper = _start(tmp_path / "d", ignore_sigint=False, env={**os.environ, "MINI_INFER_CPU_ISA": "bogus"},
+                     stderr=subprocess.PIPE)
+    out, err = wrapper.communicate(timeout=60)
+    assert wrapper.returncode == 2 and out == ""
+    assert err.splitlines() == ["settings: MINI_INFER_CPU_ISA must be one of auto, avx512_bf16, avx512, avx2, scalar; "
+                                "got 'bogus'"]

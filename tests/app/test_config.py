@@ -59,6 +59,26 @@ def test_an_unknown_mini_infer_variable_is_an_error_with_the_closest_name(monkey
         AppConfig.load()
 
 
+def test_the_other_settings_with_choices_are_checked_at_load(monkeypatch):
+    """MINI_INFER_CPU_ISA=bogus failed the deployment in tracebacks (a hostile trial); now the
+    load that make run's check runs names it."""
+    monkeypatch.setenv("MINI_INFER_CPU_ISA", "bogus")
+    monkeypatch.setenv("MINI_INFER_FIT_THREADS", "maybe")
+    with pytest.raises(ValidationError) as caught:
+        AppConfig.load()
+    assert [(e["loc"], e["msg"]) for e in caught.value.errors()] == [
+        ((), "MINI_INFER_CPU_ISA must be one of auto, avx512_bf16, avx512, avx2, scalar; got 'bogus'"),
+        ((), "MINI_INFER_FIT_THREADS must be 0 (always cpus_given() threads) or 1 (fewer while other processes "
+             "use the CPUs); got 'maybe'")]
+    monkeypatch.setenv("MINI_INFER_CPU_ISA", "scalar")
+    monkeypatch.setenv("MINI_INFER_CPU_PREFETCH", "l3")
+    monkeypatch.setenv("MINI_INFER_FIT_THREADS", "0")
+    with pytest.raises(ValidationError, match="MINI_INFER_CPU_PREFETCH must be one of auto, l1, l2; got 'l3'"):
+        AppConfig.load()
+    monkeypatch.setenv("MINI_INFER_CPU_PREFETCH", "l2")
+    assert AppConfig.load().max_num_seqs > 0
+
+
 def test_every_mini_infer_variable_the_project_names_is_known():
     """OTHER_SETTINGS lists exactly the MINI_INFER_* variables read outside AppConfig: every
     name the code and docs use is a field or one of them, and each of them is still read."""
@@ -77,7 +97,8 @@ def test_every_mini_infer_variable_the_project_names_is_known():
         for name in re.findall(r"\bMINI_INFER_[A-Z0-9_]*[A-Z0-9]\b", path.read_text(errors="replace")):
             named.setdefault(name, set()).add(path.relative_to(root))
     fields = {ENV_PREFIX + name.upper() for name in AppConfig.model_fields}
-    test_names = {"MINI_INFER_API_KEYS", "MINI_INFER_ZZZ", "MINI_INFER_MAX_NUM_SEQ"}  # misspelt on purpose
+    test_names = {"MINI_INFER_API_KEYS", "MINI_INFER_ZZZ", "MINI_INFER_MAX_NUM_SEQ",  # misspelt on purpose
+                  "MINI_INFER_KERNEL_TABLE"}  # a C++ macro, read by a kernels test
     assert {n: p for n, p in named.items() if n not in fields | set(OTHER_SETTINGS) | test_names} == {}
     read = {name for name, paths in named.items() for path in paths
             if path.parts[0] not in ("tests", "docs") and path != Path("app/config.py")}

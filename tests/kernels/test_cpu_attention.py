@@ -62,6 +62,17 @@ def _assert_matches(out, expected):
     torch.testing.assert_close(out, expected, **TOLERANCES[out.dtype])
 
 
+def test_the_isa_names_checked_before_start_are_the_extensions():
+    """``ISA_CHOICES`` (``make run``'s check of $MINI_INFER_CPU_ISA, without the extension) holds
+    "auto" and the names of the C++ kernel tables."""
+    from kernels.cpu_settings import ISA_CHOICES
+
+    source = (cpu_attention._CSRC / "attention_kernels.cpp").read_text()
+    tables = re.findall(r'MINI_INFER_KERNEL_TABLE\(isa_\w+, "(\w+)"', source)
+    assert sorted(tables) == sorted(ISA_CHOICES[1:]) and ISA_CHOICES[0] == "auto"
+    assert set(cpu_attention.supported_isas()) <= set(tables)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("shape_id", SHAPES)
 @pytest.mark.parametrize("isa", ISAS)
