@@ -77,34 +77,34 @@ def test_sigterm_stops_serve_run_when_started_with_sigint_ignored(tmp_path):
     assert lines[-1] == "KeyboardInterrupt: shutting down" and returncode == 3
 
 
+def _refused(folder: Path, settings: dict) -> list[str]:
+    """The wrapper's stderr lines where it refused ``settings`` (exit 2, the stand-in serve never
+    started). Should the check pass instead, the wrapper and the stand-in are stopped (SIGTERM,
+    by pid) before the test fails, so that nothing is left running."""
+    folder.mkdir()
+    wrapper = _start(folder, ignore_sigint=False, env={**os.environ, **settings}, stderr=subprocess.PIPE)
+    try:
+        out, err = wrapper.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        wrapper.send_signal(signal.SIGTERM)  # one SIGINT for the stand-in, which then exits
+        wrapper.communicate(timeout=20)
+        raise AssertionError(f"the wrapper started serve run with {settings}") from None
+    assert wrapper.returncode == 2 and out == "", (wrapper.returncode, out)  # the stand-in never ran
+    return err.splitlines()
+
+
 def test_an_invalid_setting_is_one_line_naming_its_variable_and_no_serve_run(tmp_path):
-    env = {**os.environ, "MINI_INFER_KV_CACHE_DTYPE": "fp8_e4m3fnuz", "MINI_INFER_MAX_NUM_SEQS": "many"}
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    wrapper = _start(tmp_path / "a", ignore_sigint=False, env=env, stderr=subprocess.PIPE)
-    out, err = wrapper.communicate(timeout=60)
-    assert wrapper.returncode == 2 and out == ""  # the stand-in serve never ran
-    assert err.splitlines() == [
+    bad_values = {"MINI_INFER_KV_CACHE_DTYPE": "fp8_e4m3fnuz", "MINI_INFER_MAX_NUM_SEQS": "many"}
+    assert _refused(tmp_path / "a", bad_values) == [
         "MINI_INFER_KV_CACHE_DTYPE='fp8_e4m3fnuz': Input should be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2'",
         "MINI_INFER_MAX_NUM_SEQS='many': Input should be a valid integer, unable to parse string as an integer"]
     # A value the engine's own checks refuse (the model validator's ValueError)
-    env = {**os.environ, "MINI_INFER_MAX_NUM_SEQS": "64", "MINI_INFER_MAX_NUM_BATCHED_TOKENS": "32"}
-    wrapper = _start(tmp_path / "b", ignore_sigint=False, env=env, stderr=subprocess.PIPE)
-    out, err = wrapper.communicate(timeout=60)
-    assert wrapper.returncode == 2 and out == ""
-    assert err.startswith("settings: max_num_batched_tokens (32) must be >= max_num_seqs (64)")
+    lines = _refused(tmp_path / "b", {"MINI_INFER_MAX_NUM_SEQS": "64", "MINI_INFER_MAX_NUM_BATCHED_TOKENS": "32"})
+    assert lines[0].startswith("settings: max_num_batched_tokens (32) must be >= max_num_seqs (64)")
     # A misspelt variable (its value, perhaps a secret, is not printed)
-    (tmp_path / "c").mkdir()
-    env = {**os.environ, "MINI_INFER_API_KEYS": "secret-value", "MINI_INFER_api_key": "secret-value"}
-    wrapper = _start(tmp_path / "c", ignore_sigint=False, env=env, stderr=subprocess.PIPE)
-    out, err = wrapper.communicate(timeout=60)
-    assert wrapper.returncode == 2 and out == ""
-    assert err.splitlines() == ["MINI_INFER_API_KEYS: not a mini-infer setting; did you mean MINI_INFER_API_KEY?",
-                                "MINI_INFER_api_key: not a mini-infer setting; did you mean MINI_INFER_API_KEY?"]
+    assert _refused(tmp_path / "c", {"MINI_INFER_API_KEYS": "secret-value", "MINI_INFER_api_key": "secret-value"}) == [
+        "MINI_INFER_API_KEYS: not a mini-infer setting; did you mean MINI_INFER_API_KEY?",
+        "MINI_INFER_api_key: not a mini-infer setting; did you mean MINI_INFER_API_KEY?"]
     # A variable read outside AppConfig, with a value its reader refuses (it failed the deployment)
-    (tmp_path / "d").mkdir()
-    wrapper = _start(tmp_path / "d", ignore_sigint=False, env={**os.environ, "MINI_INFER_CPU_ISA": "bogus"},
-                     stderr=subprocess.PIPE)
-    out, err = wrapper.communicate(timeout=60)
-    assert wrapper.returncode == 2 and out == ""
-    assert err.splitlines() == ["settings: MINI_INFER_CPU_ISA must be one of auto, avx512_bf16, avx512, avx2, scalar; "
-                                "got 'bogus'"]
+    assert _refused(tmp_path / "d", {"MINI_INFER_CPU_ISA": "bogus"}) == [
+        "settings: MINI_INFER_CPU_ISA must be one of auto, avx512_bf16, avx512, avx2, scalar; got 'bogus'"]
