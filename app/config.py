@@ -108,13 +108,9 @@ class ServiceSettings(BaseModel):
                 (in ``args``, or a ``MINI_INFER_*`` variable that is neither a field nor one
                 of ``OTHER_SETTINGS``: the closest known name is suggested).
         """
-        fields = {ENV_PREFIX + name.upper() for name in cls.model_fields}
-        unknown = sorted(name for name in os.environ  # exact names: MINI_INFER_api_key is not read
-                         if name.startswith(ENV_PREFIX) and name not in OTHER_SETTINGS and name not in fields)
-        if unknown:  # loc: the variable as written; input: not its value, which may be a secret
-            raise ValidationError.from_exception_data(cls.__name__, [
-                InitErrorDetails(type=_unknown_setting(name), loc=(name,), input="") for name in unknown])
-        _check_other_settings()
+        errors = _environment_errors({ENV_PREFIX + name.upper() for name in cls.model_fields})
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
         values = {name: os.environ[ENV_PREFIX + name.upper()] for name in cls.model_fields
                   if ENV_PREFIX + name.upper() in os.environ}
         values.update(args or {})
@@ -200,14 +196,17 @@ AppConfig = create_model("AppConfig", __base__=ServiceSettings, __module__=__nam
                          **_engine_fields())
 
 
-def _check_other_settings() -> None:
-    """The values of the ``OTHER_SETTINGS`` that have choices (the CPU kernels', the thread
-    fitting's), checked where they are read, so that ``make run`` refuses a bad one in one line
-    before Ray starts instead of a failed deployment's tracebacks.
-
-    Raises:
-        pydantic.ValidationError: the reader's message, which names the variable.
-    """
+def _environment_errors(fields: set[str]) -> list[InitErrorDetails]:
+    """What is wrong with the ``MINI_INFER_*`` variables beyond the fields' values: each that
+    is neither one of ``fields`` nor of ``OTHER_SETTINGS`` (exact names: ``MINI_INFER_api_key``
+    is not read; ``loc`` the variable as written, not its value, which may be a secret); else
+    the value of an ``OTHER_SETTINGS`` variable with choices (the CPU kernels', the thread
+    fitting's) that its reader refuses, in the reader's words (``loc`` empty), so that
+    ``make run`` refuses it in one line before Ray starts, not a failed deployment's tracebacks."""
+    unknown = sorted(name for name in os.environ
+                     if name.startswith(ENV_PREFIX) and name not in OTHER_SETTINGS and name not in fields)
+    if unknown:
+        return [InitErrorDetails(type=_unknown_setting(name), loc=(name,), input="") for name in unknown]
     from engine.threads import fit_threads_setting
     from kernels.cpu_settings import check_environment
 
@@ -218,8 +217,7 @@ def _check_other_settings() -> None:
         except ValueError as exc:
             errors.append(InitErrorDetails(type=PydanticCustomError("invalid_setting", "{reason}",
                                                                     {"reason": str(exc)}), loc=(), input=""))
-    if errors:
-        raise ValidationError.from_exception_data("AppConfig", errors)
+    return errors
 
 
 def _unknown_setting(variable: str) -> PydanticCustomError:

@@ -149,30 +149,28 @@ class EngineServer:
                 if stream and self.config.stream_batching_interval_ms > 0:
                     source = _batch_outputs(source, self.config.stream_batching_interval_ms / 1000)
                 async with contextlib.aclosing(source):  # before outputs: it may be reading them
-                    try:
-                        async for output in source:
-                            timing.tick(self.metrics)
-                            num_prompt_tokens = len(output.prompt_token_ids)
-                            num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
-                            finish_reasons += [c.finish_reason for c in output.outputs if c.finish_reason]
-                            if not stream:
-                                if held is None:
-                                    held = output
-                                else:
-                                    held.add(output)
-                                if not output.finished:
-                                    continue
-                                output = held
-                            record = output_to_dict(output, self.replica_id, self.token_bytes)
-                            if echo and not sent_any:
-                                record["prompt_text"] = self._prompt_text(output)
-                            sent_any = True
-                            yield record
-                    except InvalidRequestError as exc:  # the request's own fault mid-way: its 400
-                        rejected = True
-                        yield rejection(exc)
-                        return
+                    async for output in source:
+                        timing.tick(self.metrics)
+                        num_prompt_tokens = len(output.prompt_token_ids)
+                        num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        finish_reasons += [c.finish_reason for c in output.outputs if c.finish_reason]
+                        if not stream:
+                            if held is None:
+                                held = output
+                            else:
+                                held.add(output)
+                            if not output.finished:
+                                continue
+                            output = held
+                        record = output_to_dict(output, self.replica_id, self.token_bytes)
+                        if echo and not sent_any:
+                            record["prompt_text"] = self._prompt_text(output)
+                        sent_any = True
+                        yield record
             completed = True
+        except InvalidRequestError as exc:  # the request's own fault mid-way (the first is above): its 400
+            rejected = True
+            yield rejection(exc)
         finally:
             if not (completed or rejected):  # the client left (or the request failed) first
                 finish_reasons += ["abort"] * (params.n - len(finish_reasons))

@@ -60,6 +60,17 @@ def _cancel(stream: DeploymentResponseGenerator) -> None:
         pass
 
 
+def _refused(record: dict, body: SamplingRequest, prompt_param: str = "prompt") -> OpenAIError:
+    """A ``Rejection`` record as the client's error: the engine's ``prompt`` becomes
+    ``prompt_param`` (a chat request sent ``messages``), a constraint's field the request's own
+    (``body.client_param``)."""
+    error = OpenAIError(**record)
+    if error.param == "prompt":
+        error.param = prompt_param
+    error.message, error.param = body.client_param(error.message, error.param)
+    return error
+
+
 class _EngineCall:
     """A request's stream from the engine deployment. ``close()`` stops the engine's work
     unless the stream ran to its end (at most once, however the response ended).
@@ -279,11 +290,7 @@ class OpenAIIngress:
             raise from_exception(exc) from exc
         if "status_code" in first:  # a Rejection: the engine's only record
             call.close()
-            error = OpenAIError(**first)
-            if error.param == "prompt":  # the engine says "prompt"; a chat request sent messages
-                error.param = prompt_param
-            error.message, error.param = body.client_param(error.message, error.param)
-            raise error
+            raise _refused(first, body, prompt_param)
         headers = {REPLICA_HEADER: first["replica_id"]}
         if body.stream:
             return ClosingStreamingResponse(self._sse(request, body, first, call, formatter), call.close,
@@ -312,9 +319,7 @@ class OpenAIIngress:
             async for output in call.stream:
                 if "status_code" in output:  # a Rejection: the request's own fault mid-way (its last record)
                     call.finished = True
-                    error = OpenAIError(**output)
-                    error.message, error.param = body.client_param(error.message, error.param)
-                    raise error
+                    raise _refused(output, body)
                 for chunk in formatter.chunks(output, first=False):
                     num_events += 1
                     yield chunk

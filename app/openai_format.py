@@ -86,9 +86,7 @@ class ResponseFormatter:
 
     def add(self, output: EngineOutput) -> list[tuple[int, CompletionDelta]]:
         """Record one engine output; returns ``(index, delta)`` per choice it touched."""
-        self.num_prompt_tokens = output["num_prompt_tokens"]
-        self.echo_text = output.get("prompt_text", self.echo_text)
-        self.num_cached_tokens = output["num_cached_tokens"]
+        self._add_prompt(output)
         deltas = []
         for delta in output["outputs"]:
             choice = self.choices[delta["index"]]
@@ -102,9 +100,16 @@ class ResponseFormatter:
             deltas.append((delta["index"], delta))
         return deltas
 
+    def _add_prompt(self, output: EngineOutput) -> None:
+        """The prompt's part of ``output``: its token counts and (echo) text."""
+        self.num_prompt_tokens = output["num_prompt_tokens"]
+        self.echo_text = output.get("prompt_text", self.echo_text)
+        self.num_cached_tokens = output["num_cached_tokens"]
+
     def usage(self, choice: int | None = None) -> dict:
         """Token counts: of every choice, or of the one at index ``choice``."""
-        completion = sum(c.num_tokens for c in (self.choices if choice is None else [self.choices[choice]]))
+        counted = self.choices if choice is None else [self.choices[choice]]
+        completion = sum(c.num_tokens for c in counted)
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.num_prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
@@ -197,7 +202,7 @@ class ChatFormatter(ResponseFormatter):
         # The first chunk of each choice carries the assistant role, as OpenAI's does (with
         # continuous usage: the prompt's tokens, none generated yet, as vLLM's).
         if first:
-            self.num_prompt_tokens, self.num_cached_tokens = output["num_prompt_tokens"], output["num_cached_tokens"]
+            self._add_prompt(output)
         roles = [self._sse([{"index": i, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None, "stop_reason": None}])
                  for i in range(len(self.choices))] if first else []

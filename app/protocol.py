@@ -104,8 +104,8 @@ class StreamOptions(RequestModel):
 
     include_usage: bool = Field(False, description="Send a last chunk with token usage.")
     continuous_usage_stats: bool = Field(
-        False, description="vLLM's: with include_usage, every chunk also carries the usage so far (completion "
-        "tokens over all choices up to and including that chunk's engine output).")
+        False, description="vLLM's: with include_usage, every chunk also carries the usage so far (a choice's "
+        "chunk: that choice's completion tokens, its own included).")
 
 
 class JsonSchemaFormat(RequestModel):
