@@ -26,6 +26,15 @@ hand-offs between threads fewer for every streamed record, in the proxy, the ing
 engine replica. They are two of the settings of Serve's own ``RAY_SERVE_THROUGHPUT_OPTIMIZED``
 mode. Measured: docs/PERFORMANCE.md, "A lone engine replica on every core, and Serve's
 one-loop settings".
+
+And Serve's HAProxy mode, unless the environment sets it: ``RAY_SERVE_ENABLE_HA_PROXY=1``
+(HAProxy in place of Serve's Python proxy, handing each connection straight to the ingress
+replica's own HTTP server: one process fewer for every streamed token; it binds every
+interface) with ``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=2`` (a stopping ingress
+replica keeps accepting that long, for HAProxy on the same node to drop it, instead of 30 s:
+Ctrl-C then takes ~10 s, not ~40). ``RAY_SERVE_ENABLE_HA_PROXY=0`` keeps the Python proxy.
+Measured: docs/PERFORMANCE.md, "HAProxy in front"; docs/DEPLOYMENT.md, "How requests cross
+between Serve's processes".
 """
 from __future__ import annotations
 
@@ -60,7 +69,8 @@ except pydantic.ValidationError as exc:
 
 # Serve's settings for make run, each unless the environment sets it (the module docstring).
 SERVE_DEFAULTS = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-                  "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+                  "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0", "RAY_SERVE_ENABLE_HA_PROXY": "1",
+                  "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
 
 def check_settings(argv: list[str]) -> bool:

@@ -42,8 +42,9 @@ class ServeProcess:
         starts it in a session of its own and passes it one SIGINT: __exit__'s SIGINT to the
         process group then reaches the driver only, which stops Serve and Ray in order (sent
         to a bare ``serve run``'s group it also reached Ray's processes, and the driver hung in
-        its shutdown until __exit__ gave up, 30 s). Serve's default proxy is kept (the wrapper
-        would turn on its gRPC proxy). ``kwargs`` as the constructor's."""
+        its shutdown until __exit__ gave up, 30 s). The wrapper's HAProxy front is kept; Serve's
+        Python proxy (HAProxy's fallback while no ingress replica is up) calls the ingress with
+        Ray's actor calls, its default, not gRPC. ``kwargs`` as the constructor's."""
         env = {"RAY_SERVE_PROXY_USE_GRPC": "0", **kwargs.pop("env", {})}
         command = [str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "scripts" / "serve_run.py"), *args]
         return cls(command, env=env, **kwargs)

@@ -19,7 +19,8 @@ FAKE_SERVE = textwrap.dedent(f"""\
     try:
         print(os.getpid(), "args", sys.argv[1:], *(os.environ.get(name) for name in (
             "RAY_SERVE_PROXY_USE_GRPC", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD",
-            "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP")), flush=True)
+            "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "RAY_SERVE_ENABLE_HA_PROXY",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S")), flush=True)
         while True:
             time.sleep(0.05)
     except KeyboardInterrupt:
@@ -61,15 +62,16 @@ def _stop_with_sigterm(wrapper: subprocess.Popen) -> tuple[int, list[str]]:
 def test_sigterm_reaches_serve_run_as_one_sigint(tmp_path):
     returncode, lines = _stop_with_sigterm(_start(tmp_path, ignore_sigint=False))
     # the proxy's gRPC transport on, Serve's separate user-code thread and router loop off,
-    # unless the environment says otherwise (next test)
-    assert lines == ["args ['run', 'app:deployment', '--port', '8123'] 1 0 0", "KeyboardInterrupt: shutting down"]
+    # HAProxy on with a 2 s drain, unless the environment says otherwise (next test)
+    assert lines == ["args ['run', 'app:deployment', '--port', '8123'] 1 0 0 1 2", "KeyboardInterrupt: shutting down"]
     assert returncode == 3  # serve run's own status
 
 
 def test_the_environment_decides_serves_settings(tmp_path):
-    env = {**os.environ, "RAY_SERVE_PROXY_USE_GRPC": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
+    env = {**os.environ, "RAY_SERVE_PROXY_USE_GRPC": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
+           "RAY_SERVE_ENABLE_HA_PROXY": "0"}
     returncode, lines = _stop_with_sigterm(_start(tmp_path, ignore_sigint=False, env=env))
-    assert lines[0] == "args ['run', 'app:deployment', '--port', '8123'] 0 0 1" and returncode == 3
+    assert lines[0] == "args ['run', 'app:deployment', '--port', '8123'] 0 0 1 0 2" and returncode == 3
 
 
 def test_sigterm_stops_serve_run_when_started_with_sigint_ignored(tmp_path):

@@ -195,13 +195,17 @@ def test_a_stalled_body_gets_408_in_the_envelope(restricted):
 
 
 def test_a_malformed_chunked_body_gets_the_http_servers_own_400(restricted):
-    # Serve's HTTP proxy (uvicorn) rejects a broken chunk before the application sees it: the
-    # one error that cannot carry OpenAI's envelope (docs/DEPLOYMENT.md).
+    # The HTTP front (HAProxy, which make run's wrapper turns on) rejects a broken chunk before
+    # the application sees it: the one error that cannot carry OpenAI's envelope
+    # (docs/DEPLOYMENT.md, "What to put in front"; behind Serve's Python proxy it is uvicorn's
+    # plain-text "Invalid HTTP request received.").
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                b"Authorization: Bearer " + KEY.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
                b"zz\r\n{}\r\n0\r\n\r\n")
     answer, _ = _raw_http(restricted.url, request, read_timeout=30)
-    assert answer.startswith(b"HTTP/1.1 400") and answer.endswith(b"Invalid HTTP request received."), answer
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 Bad request\r\n") and b"Content-Type: text/html" in head, answer
+    assert body == b"<html><body><h1>400 Bad request</h1>\nYour browser sent an invalid request.\n</body></html>\n"
 
 
 @pytest.mark.slow
