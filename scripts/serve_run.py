@@ -33,15 +33,19 @@ replica's own HTTP server: one process fewer for every streamed token; it binds 
 interface) with ``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=2`` (a stopping ingress
 replica keeps accepting that long, for HAProxy on the same node to drop it, instead of 30 s:
 Ctrl-C then takes ~10 s, not ~40). ``RAY_SERVE_ENABLE_HA_PROXY=0`` keeps the Python proxy.
+HAProxy's files (its config, state and admin socket) go to a private directory of the run's
+own, removed when it ends (``HAPROXY_FILES``).
 Measured: docs/PERFORMANCE.md, "HAProxy in front"; docs/DEPLOYMENT.md, "How requests cross
 between Serve's processes".
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 # AppConfig.load() in a Python of its own, app/config.py loaded without the app package (which
 # imports Ray): each invalid setting one line on stderr naming its variable, exit status 2.
@@ -72,6 +76,18 @@ SERVE_DEFAULTS = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_USER_CODE_IN_S
                   "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0", "RAY_SERVE_ENABLE_HA_PROXY": "1",
                   "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
+# Where HAProxy's files go (Serve's defaults: /tmp/haproxy-serve/<node id>/, kept after the
+# run, its admin socket mode 666 at admin level in a directory anyone may enter): a directory of
+# this run's own, mode 0700, removed when serve run exits. Each unless the environment sets it.
+HAPROXY_FILES = {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg", "RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock",
+                 "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": "", "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state",
+                 "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock"}
+
+
+def haproxy_files_env(env: dict[str, str], folder: str) -> dict[str, str]:
+    """``HAPROXY_FILES`` under ``folder`` for the variables that ``env`` does not set."""
+    return {name: os.path.join(folder, file) for name, file in HAPROXY_FILES.items() if name not in env}
+
 
 def check_settings(argv: list[str]) -> bool:
     """For ``serve run app:deployment`` (settings from ``MINI_INFER_*`` variables, in the
@@ -98,15 +114,24 @@ def main(argv: list[str]) -> int:
     # installs the KeyboardInterrupt handler that ``serve run``'s shutdown path needs.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     env = {**SERVE_DEFAULTS, **os.environ}
-    child = subprocess.Popen([serve, "run", *argv], env=env, start_new_session=True)
+    haproxy_folder = None
+    if env["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
+        # mode 0700; in /tmp as Serve's default, since a socket's path must stay under 108 bytes
+        haproxy_folder = tempfile.mkdtemp(prefix="mini-infer-ha-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        env.update(haproxy_files_env(env, haproxy_folder))
+    try:
+        child = subprocess.Popen([serve, "run", *argv], env=env, start_new_session=True)
 
-    def stop(signum, frame) -> None:
-        if child.poll() is None:
-            child.send_signal(signal.SIGINT)
+        def stop(signum, frame) -> None:
+            if child.poll() is None:
+                child.send_signal(signal.SIGINT)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    return child.wait()  # retried after each handler (PEP 475)
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        return child.wait()  # retried after each handler (PEP 475)
+    finally:
+        if haproxy_folder is not None:
+            shutil.rmtree(haproxy_folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

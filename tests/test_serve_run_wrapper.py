@@ -17,10 +17,20 @@ FAKE_SERVE = textwrap.dedent(f"""\
     #!{sys.executable}
     import os, sys, time
     try:
+        socket = os.environ.get("RAY_SERVE_HAPROXY_SOCKET_PATH")
+        files = ["none"]
+        if socket is not None:  # the folder, its mode, and every HAProxy file's path in it
+            folder = os.path.dirname(socket)
+            files = [folder, oct(os.stat(folder).st_mode & 0o777), *(
+                os.path.relpath(os.environ[name], folder) for name in (
+                    "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH",
+                    "RAY_SERVE_HAPROXY_SERVER_STATE_BASE", "RAY_SERVE_HAPROXY_SERVER_STATE_FILE",
+                    "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"))]
+        # one write, which the test's SIGTERM cannot cut in two
         print(os.getpid(), "args", sys.argv[1:], *(os.environ.get(name) for name in (
             "RAY_SERVE_PROXY_USE_GRPC", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD",
             "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "RAY_SERVE_ENABLE_HA_PROXY",
-            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S")), flush=True)
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S")), "\\nhaproxy files:", *files, flush=True)
         while True:
             time.sleep(0.05)
     except KeyboardInterrupt:
@@ -46,8 +56,10 @@ def _start(tmp_path: Path, ignore_sigint: bool, env: dict | None = None, stderr=
 
 def _stop_with_sigterm(wrapper: subprocess.Popen) -> tuple[int, list[str]]:
     """SIGTERM to the wrapper once the stand-in runs; returns the wrapper's exit status and
-    the stand-in's lines (its pid left out)."""
+    the stand-in's lines (its pid left out). Its first two lines are read here, line by line:
+    communicate() reads the pipe itself, past what readline() holds in its buffer."""
     pid, first = wrapper.stdout.readline().split(" ", 1)
+    files = wrapper.stdout.readline()  # the same write as the first line
     wrapper.send_signal(signal.SIGTERM)
     try:
         rest, _ = wrapper.communicate(timeout=20)
@@ -56,14 +68,20 @@ def _stop_with_sigterm(wrapper: subprocess.Popen) -> tuple[int, list[str]]:
             os.kill(process, signal.SIGKILL)
         wrapper.wait()
         raise AssertionError("serve_run.py's SIGTERM did not stop serve run in 20 s") from None
-    return wrapper.returncode, [first.strip(), *rest.splitlines()]
+    return wrapper.returncode, [first.strip(), files.strip(), *rest.splitlines()]
 
 
 def test_sigterm_reaches_serve_run_as_one_sigint(tmp_path):
     returncode, lines = _stop_with_sigterm(_start(tmp_path, ignore_sigint=False))
     # the proxy's gRPC transport on, Serve's separate user-code thread and router loop off,
     # HAProxy on with a 2 s drain, unless the environment says otherwise (next test)
-    assert lines == ["args ['run', 'app:deployment', '--port', '8123'] 1 0 0 1 2", "KeyboardInterrupt: shutting down"]
+    assert lines[0] == "args ['run', 'app:deployment', '--port', '8123'] 1 0 0 1 2"
+    # HAProxy's files in a folder of this run's own that only its user may enter, removed after
+    _, _, folder, mode, *files = lines[1].split(" ")
+    assert lines[1].startswith("haproxy files: /tmp/mini-infer-ha-") and mode == "0o700"
+    assert files == ["haproxy.cfg", "admin.sock", ".", "server-state", "metrics.sock"]
+    assert not os.path.exists(folder)
+    assert lines[2:] == ["KeyboardInterrupt: shutting down"]
     assert returncode == 3  # serve run's own status
 
 
@@ -72,6 +90,7 @@ def test_the_environment_decides_serves_settings(tmp_path):
            "RAY_SERVE_ENABLE_HA_PROXY": "0"}
     returncode, lines = _stop_with_sigterm(_start(tmp_path, ignore_sigint=False, env=env))
     assert lines[0] == "args ['run', 'app:deployment', '--port', '8123'] 0 0 1 0 2" and returncode == 3
+    assert lines[1] == "haproxy files: none"  # no HAProxy, no folder for it
 
 
 def test_sigterm_stops_serve_run_when_started_with_sigint_ignored(tmp_path):
