@@ -56,7 +56,14 @@ class OpenAIError(Exception):
         return ErrorResponse(error=info).model_dump()
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": RETRY_AFTER_S} if self.status_code in (429, 503) else None
+        """The envelope as a response: with ``Retry-After`` on 429 and 503, and with
+        ``Connection: close`` on 408 and 413 (the guard's, sent with the body not read to its
+        end: the rest of it would be read as the next request; RFC 9110, 15.5.9 and 15.5.14)."""
+        headers = None
+        if self.status_code in (429, 503):
+            headers = {"Retry-After": RETRY_AFTER_S}
+        elif self.status_code in (408, 413):
+            headers = {"Connection": "close"}
         return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
 
 

@@ -152,14 +152,16 @@ def test_a_declared_length_over_the_limit_is_refused_before_reading():
     status, headers, body, num_read = call(make_app(), "POST", "/v1/completions", AUTH, [b"x" * (LIMIT + 1)])
     assert (status, num_read) == (413, 0)
     assert headers[b"content-type"] == b"application/json"
+    assert headers[b"connection"] == b"close"  # the unread body must not be read as a request
     assert _error(body) == {"message": f"the request body is larger than {LIMIT} bytes (max_request_body_bytes)",
                             "type": "invalid_request_error", "param": None, "code": "request_too_large"}
 
 
 def test_a_chunked_body_is_refused_once_it_passes_the_limit():
     chunks = [b'{"text": "' + b"x" * 400] + [b"x" * 400] * 10
-    status, _, body, num_read = call(make_app(), "POST", "/v1/completions", AUTH, chunks, content_length=False)
+    status, headers, body, num_read = call(make_app(), "POST", "/v1/completions", AUTH, chunks, content_length=False)
     assert status == 413 and num_read == 3  # 410 + 400 + 400 bytes: the third passes 1000
+    assert headers[b"connection"] == b"close"
     assert _error(body)["code"] == "request_too_large"
 
 
@@ -171,8 +173,8 @@ def test_a_body_at_the_limit_is_accepted():
 
 def test_a_stalled_body_gets_408():
     app = make_app(body_timeout_s=0.2)
-    status, _, body, _ = call(app, "POST", "/v1/completions", AUTH, [b'{"text": "'], stall=True)
-    assert status == 408
+    status, headers, body, _ = call(app, "POST", "/v1/completions", AUTH, [b'{"text": "'], stall=True)
+    assert status == 408 and headers[b"connection"] == b"close"
     assert _error(body) == {"message": "the request body stopped arriving: nothing for 0.2 s "
                                        "(request_body_timeout_s)",
                             "type": "invalid_request_error", "param": None, "code": "request_timeout"}
