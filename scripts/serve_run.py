@@ -34,7 +34,8 @@ interface) with ``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=2`` (a stopping
 replica keeps accepting that long, for HAProxy on the same node to drop it, instead of 30 s:
 Ctrl-C then takes ~10 s, not ~40). ``RAY_SERVE_ENABLE_HA_PROXY=0`` keeps the Python proxy.
 HAProxy's files (its config, state and admin socket) go to a private directory of the run's
-own, removed when it ends (``HAPROXY_FILES``).
+own, removed when it ends (``HAPROXY_FILES``); where its stats page's, its Prometheus
+exporter's or its fallback proxy's port is taken, another one is (``HAPROXY_PORTS``).
 Measured: docs/PERFORMANCE.md, "HAProxy in front"; docs/DEPLOYMENT.md, "How requests cross
 between Serve's processes".
 """
@@ -43,6 +44,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -84,6 +86,36 @@ HAPROXY_FILES = {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg", "RAY_SERVE_
                  "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock"}
 
 
+# The other ports that HAProxy mode binds on every interface besides 8000 (Serve's defaults): one
+# already in use would keep HAProxy, or its fallback proxy, and so the service from starting.
+HAPROXY_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101,
+                 "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 8500}
+
+
+def free_ports_env(env: dict[str, str], ports: dict[str, int] = HAPROXY_PORTS) -> dict[str, str]:
+    """For each of ``ports`` that ``env`` does not set and that something on this host already
+    listens on: a free port instead, said in one line on stderr."""
+    chosen = {}
+    for name, port in ports.items():
+        if name in env or _can_listen(port):
+            continue
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            chosen[name] = str(probe.getsockname()[1])
+        print(f"serve_run: port {port} is in use; {name}={chosen[name]}", file=sys.stderr)
+    return chosen
+
+
+def _can_listen(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no obstacle
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
 def haproxy_files_env(env: dict[str, str], folder: str) -> dict[str, str]:
     """``HAPROXY_FILES`` under ``folder`` for the variables that ``env`` does not set."""
     return {name: os.path.join(folder, file) for name, file in HAPROXY_FILES.items() if name not in env}
@@ -119,6 +151,7 @@ def main(argv: list[str]) -> int:
         # mode 0700; in /tmp as Serve's default, since a socket's path must stay under 108 bytes
         haproxy_folder = tempfile.mkdtemp(prefix="mini-infer-ha-", dir="/tmp" if os.path.isdir("/tmp") else None)
         env.update(haproxy_files_env(env, haproxy_folder))
+        env.update(free_ports_env(env))
     try:
         child = subprocess.Popen([serve, "run", *argv], env=env, start_new_session=True)
 

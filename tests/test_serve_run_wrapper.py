@@ -3,8 +3,10 @@ run``, also when it was started with SIGINT ignored (in the background of a non-
 shell). A stand-in ``serve`` beside the Python that runs the wrapper records what it gets, so
 no Ray is started. And an invalid ``MINI_INFER_*`` setting stops it before ``serve run``, with
 one line naming the variable."""
+import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -129,3 +131,34 @@ def test_an_invalid_setting_is_one_line_naming_its_variable_and_no_serve_run(tmp
     # A variable read outside AppConfig, with a value its reader refuses (it failed the deployment)
     assert _refused(tmp_path / "d", {"MINI_INFER_CPU_ISA": "bogus"}) == [
         "settings: MINI_INFER_CPU_ISA must be one of auto, avx512_bf16, avx512, avx2, scalar; got 'bogus'"]
+
+
+def _wrapper_module():
+    spec = importlib.util.spec_from_file_location("serve_run_under_test", WRAPPER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_haproxy_port_in_use_is_replaced_by_a_free_one(capsys):
+    wrapper = _wrapper_module()
+    with socket.socket() as busy, socket.socket() as spare:
+        busy.bind(("", 0))
+        busy.listen()
+        spare.bind(("", 0))  # bound, not listening: free to take once closed
+        busy_port, free_port = busy.getsockname()[1], spare.getsockname()[1]
+        spare.close()
+        chosen = wrapper.free_ports_env({}, {"STATS": busy_port, "METRICS": free_port})
+        assert list(chosen) == ["STATS"] and int(chosen["STATS"]) not in (busy_port, 0)
+        assert capsys.readouterr().err == f"serve_run: port {busy_port} is in use; STATS={chosen['STATS']}\n"
+        # a port the environment sets is the user's choice, taken or not
+        assert wrapper.free_ports_env({"STATS": str(busy_port)}, {"STATS": busy_port}) == {}
+
+
+def test_the_haproxy_ports_and_files_are_serves_settings():
+    # the names and defaults are Serve's own (this test's environment sets none of them)
+    from ray.serve._private import constants
+
+    wrapper = _wrapper_module()
+    assert {name: getattr(constants, name) for name in wrapper.HAPROXY_PORTS} == wrapper.HAPROXY_PORTS
+    assert all(hasattr(constants, name) for name in wrapper.HAPROXY_FILES)
