@@ -22,7 +22,7 @@ from app.records import CompletionDelta, EngineOutput, LogprobEntry, Rejection
 from engine.async_llm import AsyncLLM
 from engine.detokenizer import TokenBytes
 from engine.errors import EngineOverloadedError, InvalidRequestError
-from engine.outputs import RequestOutput
+from engine.outputs import MAX_JOINED_VALUES, RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -106,7 +106,9 @@ class EngineServer:
             stream: ``True``: a record per engine output (what one step, or several steps
                 where this replica is behind the engine, added); ``False``: one record with
                 the whole result, so that a non-streaming request crosses Ray once, not once
-                per token.
+                per token, or one record per ``MAX_JOINED_VALUES`` token ids and logprob
+                entries where the result is larger (a record past gRPC's 4 MiB message limit
+                failed the request after all its work).
 
         Raises:
             RequestFailedError: the engine failed the request after accepting it.
@@ -144,6 +146,7 @@ class EngineServer:
                     yield rejection(exc)
                     return
                 held: RequestOutput | None = None  # not streamed: everything so far
+                held_values = 0  # held.num_values(), counted as it grows
                 sent_any = False
                 source = _prepend(first, outputs)
                 if stream and self.config.stream_batching_interval_ms > 0:
@@ -155,18 +158,20 @@ class EngineServer:
                         num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                         finish_reasons += [c.finish_reason for c in output.outputs if c.finish_reason]
                         if not stream:
+                            output_values = output.num_values()
+                            if held is not None and held_values + output_values > MAX_JOINED_VALUES:
+                                yield self._record(held, echo and not sent_any)  # one bounded record
+                                sent_any, held = True, None
                             if held is None:
-                                held = output
+                                held, held_values = output, output_values
                             else:
                                 held.add(output)
+                                held_values += output_values
                             if not output.finished:
                                 continue
                             output = held
-                        record = output_to_dict(output, self.replica_id, self.token_bytes)
-                        if echo and not sent_any:
-                            record["prompt_text"] = self._prompt_text(output)
+                        yield self._record(output, echo and not sent_any)
                         sent_any = True
-                        yield record
             completed = True
         except InvalidRequestError as exc:  # the request's own fault mid-way (the first is above): its 400
             rejected = True
@@ -187,6 +192,13 @@ class EngineServer:
         async with contextlib.aclosing(self.llm.generate(prompt, params, request_id)) as outputs:
             async for output in outputs:
                 yield output
+
+    def _record(self, output: RequestOutput, echo: bool) -> EngineOutput:
+        """``output`` as the record sent to the ingress; ``echo``: with the prompt's text."""
+        record = output_to_dict(output, self.replica_id, self.token_bytes)
+        if echo:
+            record["prompt_text"] = self._prompt_text(output)
+        return record
 
     def _prompt_text(self, output: RequestOutput) -> str:
         """The prompt as text: as sent, or its token ids decoded (vLLM's echo)."""
@@ -256,11 +268,13 @@ async def _batch_outputs(outputs: AsyncIterator[RequestOutput],
     (``RequestOutput.add``), as Ray Serve LLM's ``stream_batching_interval_ms`` batches a
     stream: an output that comes a window or more after the last one yielded is yielded at once
     (the first one, so TTFT is unchanged), later ones wait until the window since then is over;
-    a finished one ends the window. Each yield is one record across Ray and one event to the
-    client instead of one per step."""
+    a finished one ends the window, and so does one that would take the window past
+    ``MAX_JOINED_VALUES`` values (it is held for the next). Each yield is one record across Ray
+    and one event to the client instead of one per step."""
     loop = asyncio.get_running_loop()
     pending = asyncio.ensure_future(anext(outputs))
     held: RequestOutput | None = None
+    held_values = 0  # held.num_values(), counted as it grows
     window_end = -math.inf  # when the next output may go out at once
     try:
         while True:
@@ -277,10 +291,15 @@ async def _batch_outputs(outputs: AsyncIterator[RequestOutput],
                     yield held
                 return
             pending = asyncio.ensure_future(anext(outputs))
+            output_values = output.num_values()
+            if held is not None and held_values + output_values > MAX_JOINED_VALUES:
+                yield held
+                held, window_end = None, loop.time() + interval_s
             if held is None:
-                held = output
+                held, held_values = output, output_values
             else:
                 held.add(output)
+                held_values += output_values
             if held.finished or loop.time() >= window_end:
                 yield held
                 held, window_end = None, loop.time() + interval_s

@@ -295,9 +295,12 @@ class OpenAIIngress:
         if body.stream:
             return ClosingStreamingResponse(self._sse(request, body, first, call, formatter), call.close,
                                             headers=headers, media_type="text/event-stream")
-        try:
+        try:  # the whole result: one record, or several where it is large (EngineServer.generate)
             formatter.add(first)
             async for output in call.stream:
+                if "status_code" in output:  # a Rejection: the request's own fault mid-way (its last record)
+                    call.finished = True
+                    raise _refused(output, body, prompt_param)
                 formatter.add(output)
             call.finished = True
         except asyncio.CancelledError:

@@ -25,6 +25,14 @@ class Logprob:
 # alternatives in descending order.
 SampleLogprobs = list[dict[int, Logprob]]
 
+# Deltas of one request are joined (``RequestOutput.add``) only up to this many values
+# (``RequestOutput.num_values``): an output crossing between processes stays far below gRPC's
+# default message limit of 4 MiB, which Serve keeps for its replicas' streams
+# (``RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH``). Measured: a value is ~29 bytes in the
+# serving record (n=16 x 600 tokens x 21 logprobs, 201,600 values, was a 5.9 MB message), so
+# 16,384 values are ~0.5 MB.
+MAX_JOINED_VALUES = 16_384
+
 
 @dataclass(slots=True)
 class CompletionOutput:
@@ -88,6 +96,11 @@ class RequestOutput:
     error: str | None = None
     error_param: str | None = None
     num_cached_tokens: int | None = None
+
+    def num_values(self) -> int:
+        """Token ids and logprob entries (the sampled token's and each alternative) over its
+        sequences: what its size across a process boundary grows with."""
+        return sum(len(c.token_ids) + sum(map(len, c.logprobs or ())) for c in self.outputs)
 
     def add(self, later: RequestOutput) -> None:
         """Append ``later``, the next delta of the same request, to this one (vLLM's

@@ -88,3 +88,37 @@ def test_a_consumer_that_leaves_a_batched_stream_aborts_its_request(server, monk
     stats = server.llm.stats()
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def _values(record: dict) -> int:
+    """A record's token ids and logprob entries (``RequestOutput.num_values``)."""
+    return sum(len(c["token_ids"]) + sum(map(len, c["logprobs"] or ())) for c in record["outputs"])
+
+
+@pytest.mark.parametrize("stream_batching_interval_ms", [None, 60_000])
+def test_a_large_result_goes_in_records_of_at_most_max_joined_values(server, monkeypatch,
+                                                                     stream_batching_interval_ms):
+    """A non-streamed result (or a batching window) past ``MAX_JOINED_VALUES`` token ids and
+    logprob entries is sent as several records, each within the bound, which join to the
+    streamed result: one record of n=16 x 600 tokens x 21 logprobs (5.9 MB) was past gRPC's
+    4 MiB message limit and failed the request with a 500 after all its work. Here the bound
+    is 20 values, and 16 tokens with their top 2 logprobs each (the sampled token's among
+    them) are 48: 6 tokens a record."""
+    streamed = _records(server, stream=True, logprobs=2)
+    monkeypatch.setattr("app.engine_server.MAX_JOINED_VALUES", 20)
+    if stream_batching_interval_ms is None:
+        records = _records(server, stream=False, logprobs=2)
+    else:
+        monkeypatch.setattr(server.config, "stream_batching_interval_ms", stream_batching_interval_ms)
+        records = _records(server, stream=True, logprobs=2)
+    assert sum(map(_values, streamed)) == 48
+    assert [_values(r) <= 20 for r in records] == [True] * len(records)
+    assert [len(r["outputs"][0]["token_ids"]) for r in records] == (
+        [6, 6, 4] if stream_batching_interval_ms is None else [1, 6, 6, 3])  # the window's first token at once
+    for field in ("token_ids", "logprobs"):
+        assert [e for r in records for e in r["outputs"][0][field]] == [
+            e for r in streamed for e in r["outputs"][0][field]]
+    assert "".join(r["outputs"][0]["text"] for r in records) == "".join(r["outputs"][0]["text"] for r in streamed)
+    assert [r["finished"] for r in records] == [False] * (len(records) - 1) + [True]
+    assert ["prompt_text" in r for r in records] == [True] + [False] * (len(records) - 1)
+    assert server.llm.stats()["num_running"] == 0

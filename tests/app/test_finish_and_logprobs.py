@@ -123,3 +123,23 @@ def test_legacy_top_logprobs_keep_every_entry_and_the_best_rank(api):
     for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
         assert len(top) == 5, top
         assert top[token] == logprob == max(top.values())  # greedy: the sampled token is rank 1
+
+
+@pytest.mark.slow
+def test_a_non_streamed_result_past_grpcs_message_limit_is_served(api):
+    """32 choices x 256 tokens x 20 logprobs: 180,000-odd token ids and logprob entries, ~5 MB
+    as one record from the engine replica, past the 4 MiB message limit of Serve's gRPC
+    transport. It was a 500 (RESOURCE_EXHAUSTED) after all the work; the engine now sends a
+    large result in records of ``MAX_JOINED_VALUES`` (engine/outputs.py)."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "n": 32, "max_tokens": 256, "ignore_eos": True,
+            "logprobs": 20, "seed": 0}
+    response = requests.post(api.url + "/v1/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text[:500]
+    assert len(response.content) > 4 * 2**20
+    result = response.json()
+    assert result["usage"]["completion_tokens"] == 32 * 256
+    assert sorted(c["index"] for c in result["choices"]) == list(range(32))
+    for choice in result["choices"]:
+        lp = choice["logprobs"]
+        assert choice["finish_reason"] == "length" and len(lp["tokens"]) == len(lp["top_logprobs"]) == 256
+        assert all(len(top) >= 20 for top in lp["top_logprobs"]), choice["index"]

@@ -78,6 +78,28 @@ def test_a_consumer_behind_the_loop_gets_the_steps_it_missed_as_one_output(async
     assert rest[0].outputs[0].finish_reason == offline.outputs[0].finish_reason
 
 
+def test_a_consumer_behind_the_loop_gets_at_most_max_joined_values_per_output(async_llm, llm, monkeypatch):
+    """What a slow consumer missed is joined only up to ``MAX_JOINED_VALUES`` token ids and
+    logprob entries an output (here 12: 4 tokens, each with its top 2 logprobs, the sampled
+    token's among them), so that an output crossing between processes stays within gRPC's message limit."""
+    monkeypatch.setattr("engine.async_llm.MAX_JOINED_VALUES", 12)
+
+    async def main():
+        outputs = async_llm.generate(PROMPTS[1], greedy(20, logprobs=2, ignore_eos=True))
+        first = await anext(outputs)
+        await wait_idle(async_llm, timeout=120)
+        return [first] + [out async for out in outputs]
+
+    outputs = asyncio.run(main())
+    (offline,) = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                              use_tqdm=False)
+    assert [len(out.outputs[0].token_ids) for out in outputs] == [1, 4, 4, 4, 4, 3]
+    assert [out.num_values() for out in outputs] == [3, 12, 12, 12, 12, 9]
+    assert [out.finished for out in outputs] == [False] * 5 + [True]
+    assert [t for out in outputs for t in out.outputs[0].token_ids] == offline.outputs[0].token_ids
+    assert "".join(out.outputs[0].text for out in outputs) == offline.outputs[0].text
+
+
 def test_concurrent_requests_each_match_their_solo_run(async_llm, llm):
     async def main():
         return await asyncio.gather(*(collect(async_llm, p, greedy(16)) for p in PROMPTS))
