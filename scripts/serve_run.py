@@ -7,7 +7,8 @@ without shutting Serve down; only SIGINT takes ``serve run``'s own path (``serve
 then Ray's). This runs ``serve run`` in a session of its own and turns every SIGTERM or SIGINT
 it receives into one SIGINT for ``serve run``; so a terminal's Ctrl-C also reaches only the
 driver, not Ray's processes, which the driver stops in order. Exits with ``serve run``'s
-status, or 2 where ``check_settings`` finds a ``MINI_INFER_*`` setting invalid. Standard library
+status, or 2 where ``check_settings`` finds a ``MINI_INFER_*`` setting invalid or port 8000
+is taken (``check_http_port``). Standard library
 only: it starts in a blink and imports neither Ray nor torch.
 
 It also sets ``RAY_SERVE_PROXY_USE_GRPC=1`` unless the environment sets it: Serve's HTTP proxy
@@ -116,6 +117,23 @@ def _can_listen(port: int) -> bool:
     return True
 
 
+# Where ``serve run`` serves an import path such as app:deployment (Serve's DEFAULT_HTTP_PORT; a
+# config file names its own).
+SERVE_HTTP_PORT = 8000
+
+
+def check_http_port(argv: list[str], port: int = SERVE_HTTP_PORT) -> bool:
+    """For ``serve run app:deployment``: whether ``port`` is free, checked before Ray starts.
+    Where another server holds it, one line says so; inside ``serve run`` that was a second Ray
+    instance and ~170 lines of tracebacks ~20 s later ("cannot bind socket ...
+    [0.0.0.0:8000]"). True for other targets (a config file names its own port)."""
+    if not argv or argv[0] != "app:deployment" or _can_listen(port):
+        return True
+    print(f"serve_run: port {port} is in use (another server? `make run` is already running?); "
+          "stop that server first", file=sys.stderr)
+    return False
+
+
 def haproxy_files_env(env: dict[str, str], folder: str) -> dict[str, str]:
     """``HAPROXY_FILES`` under ``folder`` for the variables that ``env`` does not set."""
     return {name: os.path.join(folder, file) for name, file in HAPROXY_FILES.items() if name not in env}
@@ -137,7 +155,7 @@ def check_settings(argv: list[str]) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    if not check_settings(argv):
+    if not check_settings(argv) or not check_http_port(argv):
         return 2
     serve = os.path.join(os.path.dirname(sys.executable), "serve")
     # A process started in the background by a non-interactive shell (`make run &`) inherits

@@ -41,7 +41,10 @@ FAKE_SERVE = textwrap.dedent(f"""\
 """)
 
 
-def _start(tmp_path: Path, ignore_sigint: bool, env: dict | None = None, stderr=None) -> subprocess.Popen:
+def _start(tmp_path: Path, ignore_sigint: bool, env: dict | None = None, stderr=None,
+           target: str = "stand_in:app") -> subprocess.Popen:
+    """The wrapper on the stand-in ``serve``; ``app:deployment`` as ``target`` adds the checks
+    of the settings and of port 8000 before it."""
     (tmp_path / "python").symlink_to(sys.executable)
     serve = tmp_path / "serve"
     serve.write_text(FAKE_SERVE)
@@ -51,7 +54,7 @@ def _start(tmp_path: Path, ignore_sigint: bool, env: dict | None = None, stderr=
         if ignore_sigint:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    return subprocess.Popen([str(tmp_path / "python"), str(WRAPPER), "app:deployment", "--port", "8123"],
+    return subprocess.Popen([str(tmp_path / "python"), str(WRAPPER), target, "--port", "8123"],
                             stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=before_exec, env=env,
                             cwd=ROOT)
 
@@ -77,7 +80,7 @@ def test_sigterm_reaches_serve_run_as_one_sigint(tmp_path):
     returncode, lines = _stop_with_sigterm(_start(tmp_path, ignore_sigint=False))
     # the proxy's gRPC transport on, Serve's separate user-code thread and router loop off,
     # HAProxy on with a 2 s drain, unless the environment says otherwise (next test)
-    assert lines[0] == "args ['run', 'app:deployment', '--port', '8123'] 1 0 0 1 2"
+    assert lines[0] == "args ['run', 'stand_in:app', '--port', '8123'] 1 0 0 1 2"
     # HAProxy's files in a folder of this run's own that only its user may enter, removed after
     _, _, folder, mode, *files = lines[1].split(" ")
     assert lines[1].startswith("haproxy files: /tmp/mini-infer-ha-") and mode == "0o700"
@@ -91,7 +94,7 @@ def test_the_environment_decides_serves_settings(tmp_path):
     env = {**os.environ, "RAY_SERVE_PROXY_USE_GRPC": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
            "RAY_SERVE_ENABLE_HA_PROXY": "0"}
     returncode, lines = _stop_with_sigterm(_start(tmp_path, ignore_sigint=False, env=env))
-    assert lines[0] == "args ['run', 'app:deployment', '--port', '8123'] 0 0 1 0 2" and returncode == 3
+    assert lines[0] == "args ['run', 'stand_in:app', '--port', '8123'] 0 0 1 0 2" and returncode == 3
     assert lines[1] == "haproxy files: none"  # no HAProxy, no folder for it
 
 
@@ -105,7 +108,8 @@ def _refused(folder: Path, settings: dict) -> list[str]:
     started). Should the check pass instead, the wrapper and the stand-in are stopped (SIGTERM,
     by pid) before the test fails, so that nothing is left running."""
     folder.mkdir()
-    wrapper = _start(folder, ignore_sigint=False, env={**os.environ, **settings}, stderr=subprocess.PIPE)
+    wrapper = _start(folder, ignore_sigint=False, env={**os.environ, **settings}, stderr=subprocess.PIPE,
+                     target="app:deployment")
     try:
         out, err = wrapper.communicate(timeout=60)
     except subprocess.TimeoutExpired:
@@ -162,3 +166,22 @@ def test_the_haproxy_ports_and_files_are_serves_settings():
     wrapper = _wrapper_module()
     assert {name: getattr(constants, name) for name in wrapper.HAPROXY_PORTS} == wrapper.HAPROXY_PORTS
     assert all(hasattr(constants, name) for name in wrapper.HAPROXY_FILES)
+
+
+def test_a_taken_http_port_stops_the_run_before_ray_starts_with_one_line(capsys):
+    """A second `make run` beside a running one: one line, exit status 2, no Ray started (it
+    was a second Ray instance and ~170 lines of tracebacks from HAProxy's failed bind)."""
+    wrapper = _wrapper_module()
+    assert wrapper.SERVE_HTTP_PORT == 8000
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))  # where Serve's Python proxy binds: 0.0.0.0 is taken too
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert not wrapper.check_http_port(["app:deployment"], port)
+        assert capsys.readouterr().err == (
+            f"serve_run: port {port} is in use (another server? `make run` is already running?); "
+            "stop that server first\n")
+        assert wrapper.check_http_port(["ray_configs/serve_local.yaml"], port)  # a config names its own port
+        assert wrapper.check_http_port(["other:app"], port)  # not ours to know
+    assert wrapper.check_http_port(["app:deployment"], port)  # closed: free again
+    assert capsys.readouterr().err == ""
