@@ -134,7 +134,7 @@ class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"] = Field(description="The kind of output.")
     json_schema: JsonSchemaFormat | None = Field(None, description="For type json_schema only.")
 
-    @field_validator("json_schema")
+    @field_validator("json_schema", mode="before")  # before its own fields are checked
     @classmethod
     def _only_for_its_type(cls, value, info):
         kind = info.data.get("type")

@@ -123,6 +123,9 @@ TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "argu
      "Extra inputs are not permitted"),
     ({"response_format": {"type": "json_object", "json_schema": {"name": "a"}}}, ("response_format", "json_schema"),
      "Value error, only type json_schema takes a json_schema; type is json_object"),
+    # checked before json_schema's own fields (it said "json_schema.name is required")
+    ({"response_format": {"type": "text", "json_schema": {}}}, ("response_format", "json_schema"),
+     "Value error, only type json_schema takes a json_schema; type is text"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema_": {}}}},
      ("response_format", "json_schema", "schema_"), "Extra inputs are not permitted"),
 ])
