@@ -33,7 +33,10 @@ And Serve's HAProxy mode, unless the environment sets it: ``RAY_SERVE_ENABLE_HA_
 replica's own HTTP server: one process fewer for every streamed token; it binds every
 interface) with ``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=2`` (a stopping ingress
 replica keeps accepting that long, for HAProxy on the same node to drop it, instead of 30 s:
-Ctrl-C then takes ~10 s, not ~40). ``RAY_SERVE_ENABLE_HA_PROXY=0`` keeps the Python proxy.
+Ctrl-C then takes ~10 s, not ~40) and ``RAY_SERVE_HAPROXY_NBTHREAD=1`` (HAProxy on one thread,
+not Serve's four: with four, a client that closed its connection before the response's first
+byte went unheard for 8 of 72 such requests, which ran to their end; with one, 1 of 132).
+``RAY_SERVE_ENABLE_HA_PROXY=0`` keeps the Python proxy.
 HAProxy's files (its config, state and admin socket) go to a private directory of the run's
 own, removed when it ends (``HAPROXY_FILES``); where its stats page's, its Prometheus
 exporter's or its fallback proxy's port is taken, another one is (``HAPROXY_PORTS``).
@@ -77,7 +80,7 @@ except pydantic.ValidationError as exc:
 # Serve's settings for make run, each unless the environment sets it (the module docstring).
 SERVE_DEFAULTS = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
                   "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0", "RAY_SERVE_ENABLE_HA_PROXY": "1",
-                  "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+                  "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2", "RAY_SERVE_HAPROXY_NBTHREAD": "1"}
 
 # Where HAProxy's files go (Serve's defaults: /tmp/haproxy-serve/<node id>/, kept after the
 # run, its admin socket mode 666 at admin level in a directory anyone may enter): a directory of

@@ -32,7 +32,8 @@ FAKE_SERVE = textwrap.dedent(f"""\
         print(os.getpid(), "args", sys.argv[1:], *(os.environ.get(name) for name in (
             "RAY_SERVE_PROXY_USE_GRPC", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD",
             "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "RAY_SERVE_ENABLE_HA_PROXY",
-            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S")), "\\nhaproxy files:", *files, flush=True)
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "RAY_SERVE_HAPROXY_NBTHREAD")),
+            "\\nhaproxy files:", *files, flush=True)
         while True:
             time.sleep(0.05)
     except KeyboardInterrupt:
@@ -79,8 +80,8 @@ def _stop_with_sigterm(wrapper: subprocess.Popen) -> tuple[int, list[str]]:
 def test_sigterm_reaches_serve_run_as_one_sigint(tmp_path):
     returncode, lines = _stop_with_sigterm(_start(tmp_path, ignore_sigint=False))
     # the proxy's gRPC transport on, Serve's separate user-code thread and router loop off,
-    # HAProxy on with a 2 s drain, unless the environment says otherwise (next test)
-    assert lines[0] == "args ['run', 'stand_in:app', '--port', '8123'] 1 0 0 1 2"
+    # HAProxy on with a 2 s drain and one thread, unless the environment says otherwise (next test)
+    assert lines[0] == "args ['run', 'stand_in:app', '--port', '8123'] 1 0 0 1 2 1"
     # HAProxy's files in a folder of this run's own that only its user may enter, removed after
     _, _, folder, mode, *files = lines[1].split(" ")
     assert lines[1].startswith("haproxy files: /tmp/mini-infer-ha-") and mode == "0o700"
@@ -92,9 +93,9 @@ def test_sigterm_reaches_serve_run_as_one_sigint(tmp_path):
 
 def test_the_environment_decides_serves_settings(tmp_path):
     env = {**os.environ, "RAY_SERVE_PROXY_USE_GRPC": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
-           "RAY_SERVE_ENABLE_HA_PROXY": "0"}
+           "RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_HAPROXY_NBTHREAD": "4"}
     returncode, lines = _stop_with_sigterm(_start(tmp_path, ignore_sigint=False, env=env))
-    assert lines[0] == "args ['run', 'stand_in:app', '--port', '8123'] 0 0 1 0 2" and returncode == 3
+    assert lines[0] == "args ['run', 'stand_in:app', '--port', '8123'] 0 0 1 0 2 4" and returncode == 3
     assert lines[1] == "haproxy files: none"  # no HAProxy, no folder for it
 
 
@@ -166,6 +167,7 @@ def test_the_haproxy_ports_and_files_are_serves_settings():
     wrapper = _wrapper_module()
     assert {name: getattr(constants, name) for name in wrapper.HAPROXY_PORTS} == wrapper.HAPROXY_PORTS
     assert all(hasattr(constants, name) for name in wrapper.HAPROXY_FILES)
+    assert constants.RAY_SERVE_HAPROXY_NBTHREAD == 4 and wrapper.SERVE_DEFAULTS["RAY_SERVE_HAPROXY_NBTHREAD"] == "1"
 
 
 def test_a_taken_http_port_stops_the_run_before_ray_starts_with_one_line(capsys):
