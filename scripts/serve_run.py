@@ -35,7 +35,8 @@ interface) with ``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=2`` (a stopping
 replica keeps accepting that long, for HAProxy on the same node to drop it, instead of 30 s:
 Ctrl-C then takes ~10 s, not ~40) and ``RAY_SERVE_HAPROXY_NBTHREAD=1`` (HAProxy on one thread,
 not Serve's four: with four, a client that closed its connection before the response's first
-byte went unheard for 8 of 72 such requests, which ran to their end; with one, 1 of 132).
+byte went unheard for 8 of 72 such requests, which ran to their end; with one, 2 of 276:
+docs/DEPLOYMENT.md, "How requests cross between Serve's processes").
 ``RAY_SERVE_ENABLE_HA_PROXY=0`` keeps the Python proxy.
 HAProxy's files (its config, state and admin socket) go to a private directory of the run's
 own, removed when it ends (``HAPROXY_FILES``); where its stats page's, its Prometheus
