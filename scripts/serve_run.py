@@ -37,6 +37,9 @@ Ctrl-C then takes ~10 s, not ~40) and ``RAY_SERVE_HAPROXY_NBTHREAD=1`` (HAProxy 
 not Serve's four: with four, a client that closed its connection before the response's first
 byte went unheard for 8 of 72 such requests, which ran to their end; with one, 2 of 276:
 docs/DEPLOYMENT.md, "How requests cross between Serve's processes").
+And ``RAY_SERVE_HAPROXY_TUNE_BUFSIZE`` (``haproxy_bufsize_env``): HAProxy's buffer holds the
+largest request body the app accepts, not Serve's 16 KiB; with a body larger than its buffer
+HAProxy often did not pass on a client's disconnect, and the request ran to its end.
 ``RAY_SERVE_ENABLE_HA_PROXY=0`` keeps the Python proxy.
 HAProxy's files (its config, state and admin socket) go to a private directory of the run's
 own, removed when it ends (``HAPROXY_FILES``); where its stats page's, its Prometheus
@@ -138,6 +141,34 @@ def check_http_port(argv: list[str], port: int = SERVE_HTTP_PORT) -> bool:
     return False
 
 
+# The app's default request-body limit (app/config.py, AppConfig.max_body_bytes): bytes per
+# token of max_model_len, plus this; and the longest max_model_len of the models that
+# engine/loader.py serves (SmolLM2's is 8,192).
+BODY_BYTES_PER_TOKEN, BODY_BYTES_OVERHEAD, LARGEST_MAX_MODEL_LEN = 64, 1 << 20, 131072
+# Room in HAProxy's buffer for the request line and headers besides the body.
+HEADER_BYTES = 64 << 10
+
+
+def haproxy_bufsize_env(env: dict[str, str]) -> dict[str, str]:
+    """``RAY_SERVE_HAPROXY_TUNE_BUFSIZE`` where ``env`` does not set it: room for the largest
+    request body the app accepts (``MINI_INFER_MAX_REQUEST_BODY_BYTES``, else its default for
+    ``MINI_INFER_MAX_MODEL_LEN``, else for the longest context of the models it serves, 131,072
+    tokens: 9 MiB) and ``HEADER_BYTES`` more. With Serve's 16 KiB, 8 to 16 requests with 40 KB
+    bodies sent at once and closed 0.05-3 s later: 30 of 60 ran on after their client left (16
+    to their end); with 1 MiB or 9 MiB, 0 of 136 (docs/DEPLOYMENT.md, "How requests cross
+    between Serve's processes"). HAProxy takes a buffer's memory as it fills, not its size:
+    22.1 MB resident with 32 such requests open, 12.7 MB idle."""
+    if "RAY_SERVE_HAPROXY_TUNE_BUFSIZE" in env:
+        return {}
+    try:
+        body = int(env.get("MINI_INFER_MAX_REQUEST_BODY_BYTES") or 0) or (
+            BODY_BYTES_PER_TOKEN * int(env.get("MINI_INFER_MAX_MODEL_LEN") or LARGEST_MAX_MODEL_LEN)
+            + BODY_BYTES_OVERHEAD)
+    except ValueError:  # check_settings has said so already
+        body = BODY_BYTES_PER_TOKEN * LARGEST_MAX_MODEL_LEN + BODY_BYTES_OVERHEAD
+    return {"RAY_SERVE_HAPROXY_TUNE_BUFSIZE": str(body + HEADER_BYTES)}
+
+
 def haproxy_files_env(env: dict[str, str], folder: str) -> dict[str, str]:
     """``HAPROXY_FILES`` under ``folder`` for the variables that ``env`` does not set."""
     return {name: os.path.join(folder, file) for name, file in HAPROXY_FILES.items() if name not in env}
@@ -174,6 +205,7 @@ def main(argv: list[str]) -> int:
         haproxy_folder = tempfile.mkdtemp(prefix="mini-infer-ha-", dir="/tmp" if os.path.isdir("/tmp") else None)
         env.update(haproxy_files_env(env, haproxy_folder))
         env.update(free_ports_env(env))
+        env.update(haproxy_bufsize_env(env))
     try:
         child = subprocess.Popen([serve, "run", *argv], env=env, start_new_session=True)
 
