@@ -137,9 +137,9 @@ class ResponseFormat(RequestModel):
     @field_validator("json_schema", mode="before")  # before its own fields are checked
     @classmethod
     def _only_for_its_type(cls, value, info):
-        kind = info.data.get("type")
-        if value is not None and kind is not None and kind != "json_schema":
-            raise ValueError(f"only type json_schema takes a json_schema; type is {kind}")
+        kind = info.data.get("type")  # None where type is missing or invalid: its own error is the one told
+        if value is not None and kind != "json_schema":
+            raise ValueError(f"only type json_schema takes a json_schema; type is {kind or 'not valid'}")
         return value
 
 

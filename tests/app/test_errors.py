@@ -177,6 +177,12 @@ def _error_cases():
          {**CHAT, "response_format": {"type": "text", "json_schema": {"name": "a", "schema": {"type": "object"}}}},
          400, "response_format.json_schema", None,
          "response_format.json_schema: only type json_schema takes a json_schema; type is text"),
+        # the missing or invalid type is what is told, not json_schema's own missing name
+        ("json_schema without a type", "/v1/chat/completions", {**CHAT, "response_format": {"json_schema": {}}},
+         400, "response_format.type", None, "response_format.type is required"),
+        ("json_schema under an invalid type", "/v1/chat/completions",
+         {**CHAT, "response_format": {"type": "bogus", "json_schema": {}}}, 400, "response_format.type", None,
+         "response_format.type: Input should be 'text', 'json_object' or 'json_schema'"),
         ("tool_choice function null", "/v1/chat/completions",
          {**CHAT, "tools": [WEATHER], "tool_choice": {"type": "function", "function": None}}, 400,
          "tool_choice.function", None, "tool_choice.function: Input should be a valid dictionary"),
