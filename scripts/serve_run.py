@@ -49,6 +49,7 @@ between Serve's processes".
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -129,13 +130,38 @@ def _can_listen(port: int) -> bool:
 SERVE_HTTP_PORT = 8000
 
 
-def check_http_port(argv: list[str], port: int = SERVE_HTTP_PORT) -> bool:
-    """For ``serve run app:deployment``: whether ``port`` is free, checked before Ray starts.
-    Where another server holds it, one line says so; inside ``serve run`` that was a second Ray
-    instance and ~170 lines of tracebacks ~20 s later ("cannot bind socket ...
-    [0.0.0.0:8000]"). True for other targets (a config file names its own port)."""
-    if not argv or argv[0] != "app:deployment" or _can_listen(port):
+_port_lock: int | None = None  # held while this process runs (released by the kernel at exit)
+
+
+def check_http_port(argv: list[str], port: int = SERVE_HTTP_PORT, lock_dir: str | None = None) -> bool:
+    """For ``serve run app:deployment``: whether ``port`` is free and no other ``make run`` for
+    it is starting, checked before Ray starts; this process then holds a lock on
+    ``<lock_dir>/mini-infer-port-<port>.lock`` (the temporary directory by default) until it
+    exits, since Serve binds the port only some seconds into a run. Where another server holds
+    either, one line says so; inside ``serve run`` that was a second Ray instance and ~170 lines
+    of tracebacks ~20 s later ("cannot bind socket ... [0.0.0.0:8000]"). True for other
+    targets (a config file names its own port)."""
+    global _port_lock
+    if not argv or argv[0] != "app:deployment":
         return True
+    path = os.path.join(lock_dir or tempfile.gettempdir(), f"mini-infer-port-{port}.lock")
+    try:
+        lock = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:  # not ours to create or read: the port's own check below still holds
+        lock = None
+    if lock is not None:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(lock)
+            print(f"serve_run: another `make run` for port {port} is starting or running; stop it first",
+                  file=sys.stderr)
+            return False
+    if _can_listen(port):
+        _port_lock = lock
+        return True
+    if lock is not None:
+        os.close(lock)
     print(f"serve_run: port {port} is in use (another server? `make run` is already running?); "
           "stop that server first", file=sys.stderr)
     return False

@@ -170,7 +170,7 @@ def test_the_haproxy_ports_and_files_are_serves_settings():
     assert constants.RAY_SERVE_HAPROXY_NBTHREAD == 4 and wrapper.SERVE_DEFAULTS["RAY_SERVE_HAPROXY_NBTHREAD"] == "1"
 
 
-def test_a_taken_http_port_stops_the_run_before_ray_starts_with_one_line(capsys):
+def test_a_taken_http_port_stops_the_run_before_ray_starts_with_one_line(capsys, tmp_path):
     """A second `make run` beside a running one: one line, exit status 2, no Ray started (it
     was a second Ray instance and ~170 lines of tracebacks from HAProxy's failed bind)."""
     wrapper = _wrapper_module()
@@ -179,14 +179,19 @@ def test_a_taken_http_port_stops_the_run_before_ray_starts_with_one_line(capsys)
         busy.bind(("127.0.0.1", 0))  # where Serve's Python proxy binds: 0.0.0.0 is taken too
         busy.listen()
         port = busy.getsockname()[1]
-        assert not wrapper.check_http_port(["app:deployment"], port)
+        assert not wrapper.check_http_port(["app:deployment"], port, str(tmp_path / "a"))
         assert capsys.readouterr().err == (
             f"serve_run: port {port} is in use (another server? `make run` is already running?); "
             "stop that server first\n")
         assert wrapper.check_http_port(["ray_configs/serve_local.yaml"], port)  # a config names its own port
         assert wrapper.check_http_port(["other:app"], port)  # not ours to know
-    assert wrapper.check_http_port(["app:deployment"], port)  # closed: free again
+    (tmp_path / "b").mkdir()
+    assert wrapper.check_http_port(["app:deployment"], port, str(tmp_path / "b"))  # closed: free again
     assert capsys.readouterr().err == ""
+    # and a second run for the port while the first starts, before Serve binds it
+    assert not wrapper.check_http_port(["app:deployment"], port, str(tmp_path / "b"))
+    assert capsys.readouterr().err == (
+        f"serve_run: another `make run` for port {port} is starting or running; stop it first\n")
 
 
 def test_haproxys_buffer_holds_the_largest_request_body_the_app_accepts():
