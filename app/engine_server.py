@@ -22,7 +22,7 @@ from app.records import CompletionDelta, EngineOutput, LogprobEntry, Rejection
 from engine.async_llm import AsyncLLM
 from engine.detokenizer import TokenBytes
 from engine.errors import EngineOverloadedError, InvalidRequestError
-from engine.outputs import MAX_JOINED_VALUES, RequestOutput
+from engine.outputs import JoinedOutputs, RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -145,8 +145,7 @@ class EngineServer:
                     rejected = True
                     yield rejection(exc)
                     return
-                held: RequestOutput | None = None  # not streamed: everything so far
-                held_values = 0  # held.num_values(), counted as it grows
+                joined = JoinedOutputs()  # not streamed: everything so far not yet sent
                 sent_any = False
                 source = _prepend(first, outputs)
                 if stream and self.config.stream_batching_interval_ms > 0:
@@ -158,18 +157,13 @@ class EngineServer:
                         num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                         finish_reasons += [c.finish_reason for c in output.outputs if c.finish_reason]
                         if not stream:
-                            output_values = output.num_values()
-                            if held is not None and held_values + output_values > MAX_JOINED_VALUES:
-                                yield self._record(held, echo and not sent_any)  # one bounded record
-                                sent_any, held = True, None
-                            if held is None:
-                                held, held_values = output, output_values
-                            else:
-                                held.add(output)
-                                held_values += output_values
+                            taken = joined.add(output)
+                            if taken is not None:  # one bounded record of a large result
+                                yield self._record(taken, echo and not sent_any)
+                                sent_any = True
                             if not output.finished:
                                 continue
-                            output = held
+                            output = joined.take()
                         yield self._record(output, echo and not sent_any)
                         sent_any = True
             completed = True
@@ -273,36 +267,30 @@ async def _batch_outputs(outputs: AsyncIterator[RequestOutput],
     and one event to the client instead of one per step."""
     loop = asyncio.get_running_loop()
     pending = asyncio.ensure_future(anext(outputs))
-    held: RequestOutput | None = None
-    held_values = 0  # held.num_values(), counted as it grows
+    joined = JoinedOutputs()
     window_end = -math.inf  # when the next output may go out at once
     try:
         while True:
-            timeout = None if held is None else max(0.0, window_end - loop.time())
+            timeout = None if joined.held is None else max(0.0, window_end - loop.time())
             done, _ = await asyncio.wait({pending}, timeout=timeout)
             if not done:  # the window is over: send what it gathered
-                yield held
-                held, window_end = None, loop.time() + interval_s
+                yield joined.take()
+                window_end = loop.time() + interval_s
                 continue
             try:
                 output = pending.result()
             except StopAsyncIteration:
-                if held is not None:
-                    yield held
+                if joined.held is not None:
+                    yield joined.take()
                 return
             pending = asyncio.ensure_future(anext(outputs))
-            output_values = output.num_values()
-            if held is not None and held_values + output_values > MAX_JOINED_VALUES:
-                yield held
-                held, window_end = None, loop.time() + interval_s
-            if held is None:
-                held, held_values = output, output_values
-            else:
-                held.add(output)
-                held_values += output_values
-            if held.finished or loop.time() >= window_end:
-                yield held
-                held, window_end = None, loop.time() + interval_s
+            taken = joined.add(output)
+            if taken is not None:  # the window's bound: what it held goes now
+                yield taken
+                window_end = loop.time() + interval_s
+            if joined.held.finished or loop.time() >= window_end:
+                yield joined.take()
+                window_end = loop.time() + interval_s
     finally:  # the consumer left: stop waiting for the engine's next output
         pending.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -19,7 +19,7 @@ from typing import AsyncIterator
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.llm_engine import LLMEngine, PromptType
-from engine.outputs import MAX_JOINED_VALUES, RequestOutput
+from engine.outputs import JoinedOutputs, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.snapshot import SnapshotChannel
 
@@ -213,18 +213,17 @@ def _coalesce(output: RequestOutput, stream: asyncio.Queue,
     ``MAX_JOINED_VALUES`` values, and the first queued item that was not joined (a failure,
     which the caller raises next, or the output that would pass the bound, which it yields
     next), or ``None``."""
-    num_values = None  # counted only where something is queued behind
+    joined = None  # made only where something is queued behind
     while not output.finished and not stream.empty():
         later = stream.get_nowait()
         if isinstance(later, BaseException) or later.error is not None:
             return output, later
-        if kind == RequestOutputKind.DELTA:
-            num_values = output.num_values() if num_values is None else num_values
-            later_values = later.num_values()
-            if num_values + later_values > MAX_JOINED_VALUES:
-                return output, later
-            output.add(later)
-            num_values += later_values
-        else:
+        if kind != RequestOutputKind.DELTA:
             output = later
+            continue
+        if joined is None:
+            joined = JoinedOutputs()
+            joined.add(output)
+        if joined.add(later) is not None:  # later would pass the bound: output as it is, later next
+            return output, joined.take()
     return output, None

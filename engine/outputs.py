@@ -123,3 +123,34 @@ class RequestOutput:
         self.metrics = later.metrics or self.metrics
         if later.error is not None:
             self.error, self.error_param = later.error, later.error_param
+
+
+class JoinedOutputs:
+    """Delta outputs of one request joined (``RequestOutput.add``) into one held output of at
+    most ``MAX_JOINED_VALUES`` values (``RequestOutput.num_values``): what a record across a
+    process boundary carries, however many steps it gathers."""
+
+    def __init__(self) -> None:
+        self.held: RequestOutput | None = None
+        self._num_values = 0  # held.num_values(), counted as it grows
+
+    def add(self, output: RequestOutput) -> RequestOutput | None:
+        """Join ``output`` to the held one (which it then is, where nothing is held). Returns
+        what was held before, now taken, where ``output`` would have joined it past
+        ``MAX_JOINED_VALUES`` (the caller sends that first, ``output`` is held alone), else
+        ``None``."""
+        num_values = output.num_values()
+        taken = None
+        if self.held is not None and self._num_values + num_values > MAX_JOINED_VALUES:
+            taken = self.take()
+        if self.held is None:
+            self.held = output
+        else:
+            self.held.add(output)
+        self._num_values += num_values
+        return taken
+
+    def take(self) -> RequestOutput | None:
+        """The held output (``None`` where nothing is held); nothing is held after."""
+        held, self.held, self._num_values = self.held, None, 0
+        return held

@@ -186,13 +186,19 @@ def haproxy_bufsize_env(env: dict[str, str]) -> dict[str, str]:
     22.1 MB resident with 32 such requests open, 12.7 MB idle."""
     if "RAY_SERVE_HAPROXY_TUNE_BUFSIZE" in env:
         return {}
-    try:
-        body = int(env.get("MINI_INFER_MAX_REQUEST_BODY_BYTES") or 0) or (
-            BODY_BYTES_PER_TOKEN * int(env.get("MINI_INFER_MAX_MODEL_LEN") or LARGEST_MAX_MODEL_LEN)
-            + BODY_BYTES_OVERHEAD)
-    except ValueError:  # check_settings has said so already
-        body = BODY_BYTES_PER_TOKEN * LARGEST_MAX_MODEL_LEN + BODY_BYTES_OVERHEAD
+    body = _env_int(env, "MINI_INFER_MAX_REQUEST_BODY_BYTES") or (
+        BODY_BYTES_PER_TOKEN * (_env_int(env, "MINI_INFER_MAX_MODEL_LEN") or LARGEST_MAX_MODEL_LEN)
+        + BODY_BYTES_OVERHEAD)
     return {"RAY_SERVE_HAPROXY_TUNE_BUFSIZE": str(body + HEADER_BYTES)}
+
+
+def _env_int(env: dict[str, str], name: str) -> int:
+    """``env``'s integer ``name``; 0 where unset or not an integer (``check_settings`` refuses
+    that before this runs)."""
+    try:
+        return int(env.get(name) or 0)
+    except ValueError:
+        return 0
 
 
 def haproxy_files_env(env: dict[str, str], folder: str) -> dict[str, str]:

@@ -105,7 +105,7 @@ def test_a_large_result_goes_in_records_of_at_most_max_joined_values(server, mon
     is 20 values, and 16 tokens with their top 2 logprobs each (the sampled token's among
     them) are 48: 6 tokens a record."""
     streamed = _records(server, stream=True, logprobs=2)
-    monkeypatch.setattr("app.engine_server.MAX_JOINED_VALUES", 20)
+    monkeypatch.setattr("engine.outputs.MAX_JOINED_VALUES", 20)
     if stream_batching_interval_ms is None:
         records = _records(server, stream=False, logprobs=2)
     else:

@@ -82,7 +82,7 @@ def test_a_consumer_behind_the_loop_gets_at_most_max_joined_values_per_output(as
     """What a slow consumer missed is joined only up to ``MAX_JOINED_VALUES`` token ids and
     logprob entries an output (here 12: 4 tokens, each with its top 2 logprobs, the sampled
     token's among them), so that an output crossing between processes stays within gRPC's message limit."""
-    monkeypatch.setattr("engine.async_llm.MAX_JOINED_VALUES", 12)
+    monkeypatch.setattr("engine.outputs.MAX_JOINED_VALUES", 12)
 
     async def main():
         outputs = async_llm.generate(PROMPTS[1], greedy(20, logprobs=2, ignore_eos=True))
