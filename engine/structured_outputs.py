@@ -61,6 +61,7 @@ def grammar_of(params: StructuredOutputsParams) -> xgr.Grammar:
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace,
                                                 strict_mode=False)
         if kind == "regex":
+            _check_regex(value, "")
             return xgr.Grammar.from_regex(value)
         if kind == "choice":  # a JSON string literal is an EBNF one (same escapes)
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
@@ -212,6 +213,126 @@ def check_structural_tag(tag) -> None:
             stack.extend((sub, f"{where}/{pointer_token(key)}") for key, sub in item.items())
 
 
+_QUANTIFIER_START = frozenset("*+?{")
+
+
+def unenforced_regex_part(pattern: str) -> str | None:
+    """The first part of a regular expression that xgrammar compiles but does not enforce
+    (a string it generates may not match), or ``None``: a lookahead ``(?=`` / ``(?!`` (in a JSON schema's ``pattern`` it is
+    dropped: ``^(?=b)a+$`` let ``"a"`` through), a lookbehind ``(?<=`` / ``(?<!``, a ``^``
+    that is not at the start of the match or a ``$`` not at its end (``a$b`` and ``^a^b``
+    generated ``"ab"``, which neither matches), or a quantifier on an anchor or on a group
+    holding one. Anchors at the start of the whole pattern, of its alternatives or of groups
+    that themselves start it (``^a|^b``, ``(^a)``; mirrored for ``$``) are enforced.
+    Measured on xgrammar in tests/engine/test_structured_outputs.py.
+    """
+    tokens = _regex_tokens(pattern)
+    for token, _ in tokens:
+        if token in ("(?=", "(?!", "(?<=", "(?<!"):
+            return f"the lookaround {token!r}"
+    mirrored = [(token, _MIRRORED.get(kind, kind)) for token, kind in reversed(tokens)]
+    return _misplaced_anchor("^", tokens) or _misplaced_anchor("$", mirrored) or _quantified_anchor(tokens)
+
+
+_MIRRORED = {"open": "close", "close": "open"}
+
+
+def _regex_tokens(pattern: str) -> list[tuple[str, str]]:
+    """``(token, kind)``: kind ``open`` (``(`` and every ``(?...`` group, shown as ``(``
+    except lookarounds), ``close``, ``|``, ``anchor``, ``quantifier`` or ``atom`` (a
+    character, an escape, a class)."""
+    tokens, i = [], 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            tokens.append((pattern[i:i + 2], "atom"))
+            i += 2
+        elif char == "[":
+            j = i + 1 + (pattern[i + 1:i + 2] == "^")
+            j += pattern[j:j + 1] == "]"  # a "]" first in a class is a character
+            while j < len(pattern) and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            tokens.append((pattern[i:j + 1], "atom"))
+            i = j + 1
+        elif char == "(":
+            lookaround = next((p for p in ("(?<=", "(?<!", "(?=", "(?!") if pattern.startswith(p, i)), None)
+            tokens.append((lookaround or "(", "open"))
+            i += len(lookaround) if lookaround else 1
+            if not lookaround and pattern.startswith("?", i):  # (?:, (?P<n>, (?<n>, (?i): no atom
+                j = i
+                while j < len(pattern) and pattern[j] not in ":>)":
+                    j += 1
+                if pattern[j:j + 1] == ")":  # flags alone, "(?i)": zero width, no group
+                    tokens.pop()
+                i = j + 1
+        elif char == ")":
+            tokens.append((")", "close"))
+            i += 1
+        elif char == "|":
+            tokens.append(("|", "|"))
+            i += 1
+        elif char in "^$":
+            tokens.append((char, "anchor"))
+            i += 1
+        elif char in _QUANTIFIER_START and (char != "{" or pattern[i + 1:i + 2].isdigit()):
+            j = pattern.find("}", i) + 1 if char == "{" else i + 1
+            tokens.append((pattern[i:j or len(pattern)], "quantifier"))
+            i = j or len(pattern)
+        else:
+            tokens.append((char, "atom"))
+            i += 1
+    return tokens
+
+
+def _misplaced_anchor(anchor: str, tokens: list[tuple[str, str]]) -> str | None:
+    """Walk ``tokens`` from the start of the match (for ``$``, the mirrored tokens from its
+    end): ``anchor`` is enforced only where nothing can have been matched before it."""
+    at_start, group_starts = True, []  # whether each open group starts at the start
+    for token, kind in tokens:
+        if kind == "open":
+            group_starts.append(at_start)
+        elif kind == "|":
+            at_start = group_starts[-1] if group_starts else True
+        elif kind == "close":
+            if group_starts:
+                group_starts.pop()
+            at_start = False
+        elif kind == "anchor" and token == anchor and not at_start:
+            return f"{anchor!r} inside the match"
+        elif kind == "atom":
+            at_start = False
+    return None
+
+
+def _quantified_anchor(tokens: list[tuple[str, str]]) -> str | None:
+    """A quantifier on an anchor or on a group that holds one (``(^a)*``)."""
+    holds, previous = [], None  # holds: whether each open group holds an anchor
+    for token, kind in tokens:
+        if kind == "quantifier" and previous in ("anchor", "close with anchor"):
+            return f"a quantifier {token!r} on an anchor"
+        if kind == "open":
+            holds.append(False)
+        elif kind == "anchor" and holds:
+            holds[-1] = True
+        elif kind == "close":
+            held = holds.pop() if holds else False
+            if held and holds:
+                holds[-1] = True
+            kind = "close with anchor" if held else kind
+        previous = kind
+    return None
+
+
+def _check_regex(pattern: str, where: str) -> None:
+    """``ValueError`` for a regular expression with a part xgrammar does not enforce
+    (``unenforced_regex_part``); ``where`` is its place in a schema ("" for a whole regex)."""
+    part = unenforced_regex_part(pattern)
+    if part is not None:
+        raise ValueError(f"{part}{where} is not enforced by the grammar engine (xgrammar), so the output would "
+                         "not be checked against it; rewrite the pattern without it (xgrammar enforces '^' "
+                         "only at the start of the match, '$' only at its end, and no lookaround)")
+
+
 def _not_enforced(keyword: str, where: str, fix: str) -> ValueError:
     return ValueError(f"{keyword} at {where} is not enforced by the grammar engine (xgrammar), so the output "
                       f"would not be checked against it; {fix}")
@@ -235,6 +356,11 @@ def _check_keywords(node: dict, where: str, implied_kind: str) -> None:
         if dominant in node and others and not (others == ["type"] and _branches_within(node[dominant], declared)):
             raise _not_enforced(json.dumps(others[0]) + f" beside {json.dumps(dominant)}", where,
                                 f"move it into the schema that {json.dumps(dominant)} points to")
+    if isinstance(node.get("pattern"), str):
+        _check_regex(node["pattern"], f' in "pattern" at {where}')
+    if isinstance(node.get("patternProperties"), dict):
+        for name in node["patternProperties"]:
+            _check_regex(name, f" in the patternProperties name {json.dumps(name)} at {where}")
     for key in ("enum", "const"):
         if key in node:
             _check_listed_values(node, key, where)

@@ -264,6 +264,17 @@ def test_a_schema_its_metaschema_refuses_is_refused(schema, message):
     check_enforceable({"$schema": "https://example.com/unknown", "type": "integer"})  # an unknown draft: 2020-12's
 
 
+def test_a_regex_with_an_anchor_inside_the_match_is_refused():
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+    assert _is_grammar_accept_string(xgr.Grammar.from_regex("a$b"), "ab")  # what was generated before
+    with pytest.raises(ValueError, match=re.escape("structured_outputs.regex: '$' inside the match is not enforced "
+                                                   "by the grammar engine")) as info:
+        grammar_of(StructuredOutputsParams(regex="a$b"))
+    assert info.value.param == "structured_outputs.regex"
+    grammar_of(StructuredOutputsParams(regex=r"^\d{3}-\d{4}$|^x$"))  # anchors at the ends are enforced
+
+
 def test_references_into_the_schema_and_ref_lookalikes_are_compiled():
     check_enforceable({"type": "object", "$defs": {"A": {"type": "integer"}}, "properties": {
         "a": {"$ref": "#/$defs/A"}, "b": {"$ref": "#"}, "$ref": {"type": "string"},  # a property named $ref
@@ -318,6 +329,18 @@ NOT_ENFORCED = [
      'enum value "notanemail" failing its sibling keywords at #'),
     # a pattern beside an enum is not run here (it would run the client's regular expression)
     ({"type": "string", "pattern": "^z", "enum": ["a"]}, "a", '"pattern" beside "enum" at #'),
+    # a trial's: a lookahead in a pattern is dropped; anchors are enforced only at the ends
+    ({"type": "object", "properties": {"p": {"type": "string", "pattern": "^(?=b)a+$"}}, "required": ["p"]},
+     {"p": "a"}, "the lookaround '(?=' in \"pattern\" at #/properties/p"),
+    ({"type": "string", "pattern": "^(?!a)a+$"}, "a", "the lookaround '(?!' in \"pattern\" at #"),
+    ({"type": "string", "pattern": "a$b"}, "ab", "'$' inside the match in \"pattern\" at #"),
+    ({"type": "string", "pattern": "^a^b"}, "ab", "'^' inside the match in \"pattern\" at #"),
+    ({"type": "string", "pattern": "(a|b$)c"}, "bc", "'$' inside the match in \"pattern\" at #"),
+    ({"type": "string", "pattern": "(^a)+b"}, "aab", "a quantifier '+' on an anchor in \"pattern\" at #"),
+    ({"type": "object", "propertyNames": {"pattern": "x(^a)"}}, {"xa": 1},
+     "'^' inside the match in \"pattern\" at #/propertyNames"),
+    ({"type": "object", "patternProperties": {"a$b": {"type": "integer"}}, "additionalProperties": False},
+     {"ab": 1}, "'$' inside the match in the patternProperties name \"a$b\" at #"),
 ]
 
 
@@ -338,6 +361,10 @@ def test_keywords_xgrammar_does_not_enforce_are_refused(schema, value, message):
 
 # (schema, a value it forbids): xgrammar refuses the value, so the schema is compiled
 ENFORCED = [
+    # anchors at the ends of the match, of its alternatives, of groups that start or end it
+    ({"type": "string", "pattern": "^a$|^b$"}, "ab"),
+    ({"type": "string", "pattern": "((^a)|b)c$"}, "cc"),
+    ({"type": "string", "pattern": "^[$^]a$"}, "a"),
     ({"type": "integer", "multipleOf": 5}, 7),
     ({"type": ["integer", "null"], "multipleOf": 5}, 7),
     ({"type": "string", "enum": ["a", "b"]}, "c"),  # pydantic's enum: the type adds nothing
