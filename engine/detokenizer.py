@@ -27,8 +27,8 @@ class IncrementalDetokenizer:
     Args:
         tokenizer: a transformers fast tokenizer (its ``backend_tokenizer`` does the work).
         prompt_token_ids: the prompt, for context.
-        params: the request's ``skip_special_tokens``, ``stop`` and
-            ``include_stop_str_in_output``.
+        params: the request's ``skip_special_tokens``, ``stop``,
+            ``include_stop_str_in_output`` and ``min_tokens``.
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -37,12 +37,17 @@ class IncrementalDetokenizer:
                                     skip_special_tokens=params.skip_special_tokens)
         self._stops = [StopMatcher(stop) for stop in params.stop]
         self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
+        self._num_tokens = 0
         self.output_text = ""
         self.num_emitted_chars = 0
 
     def step(self, token_id: int) -> str | None:
         """Add one token. Returns the stop string it completed, if any (the text is then cut
-        before it, or after it with ``include_stop_str_in_output``)."""
+        before it, or after it with ``include_stop_str_in_output``); none within the first
+        ``min_tokens`` tokens, as in vLLM V1 (a stop string that ends in a later token counts,
+        wherever it starts)."""
+        self._num_tokens += 1
         delta = self._stream.step(self._tokenizer, token_id)
         if not delta:
             return None  # a partial character: nothing to decode yet
@@ -50,10 +55,11 @@ class IncrementalDetokenizer:
         self.output_text += delta
         if not self._stops:
             return None
+        checking = self._num_tokens > self._min_tokens
         # The earliest stop string to complete inside the delta wins.
         for offset, char in enumerate(delta):
             for matcher in self._stops:
-                if matcher.feed(char):
+                if matcher.feed(char) and checking:
                     end = start + offset + 1
                     cut = end if self._include_stop else end - len(matcher.stop)
                     self.output_text = self.output_text[:cut]

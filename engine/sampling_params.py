@@ -139,7 +139,8 @@ class SamplingParams:
         ignore_eos: keep generating after the end-of-sequence token.
         max_tokens: most tokens to generate per sequence; ``None`` means up to
             ``max_model_len``.
-        min_tokens: tokens to generate before EOS or a stop token id may end it.
+        min_tokens: tokens to generate before EOS, a stop token id or a stop string may end
+            it (vLLM V1's: a stop string is looked for only in later tokens).
         logprobs: return this many top alternatives (0 to 20) with each token's log
             probability; ``None`` returns none.
         skip_special_tokens: leave special tokens out of the output text.

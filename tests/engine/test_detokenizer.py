@@ -66,6 +66,22 @@ def test_stop_string_spanning_tokens_is_caught_and_cut(tokenizer):
     assert "".join(deltas) == "The answer is forty-two"
 
 
+def test_no_stop_string_ends_the_output_within_min_tokens(tokenizer):
+    # vLLM V1's: a trial's stop " " after "The capital of France is" ended at once despite min_tokens 5
+    ids = tokenizer(" Paris, the city of light").input_ids
+    assert len(ids) >= 6
+    _, matched, detok = stream(tokenizer, ids, SamplingParams(stop=[" "], min_tokens=5, max_tokens=16))
+    assert [tokenizer.decode([i]) for i in ids[4:6]] == [" of", " light"]
+    assert matched == " " and detok.output_text == " Paris, the city of"  # the 6th token's space
+    _, matched, detok = stream(tokenizer, ids, SamplingParams(stop=[" "]))
+    assert matched == " " and detok.output_text == ""  # without min_tokens: the first token's space
+    # a stop string that starts within min_tokens and ends after them counts
+    ids = tokenizer("The answer is forty-two. Goodbye").input_ids
+    count = len(tokenizer("The answer is forty").input_ids)
+    _, matched, detok = stream(tokenizer, ids, SamplingParams(stop=["forty-two"], min_tokens=count, max_tokens=16))
+    assert matched == "forty-two" and detok.output_text == "The answer is "
+
+
 def test_text_that_may_start_a_stop_string_is_held_back_then_released(tokenizer):
     ids = tokenizer("Count: 1, 2, 3").input_ids
     detok = IncrementalDetokenizer(tokenizer, [1], SamplingParams(stop=["3, 4"]))
