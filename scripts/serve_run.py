@@ -137,26 +137,35 @@ def check_http_port(argv: list[str], port: int = SERVE_HTTP_PORT, lock_dir: str 
     """For ``serve run app:deployment``: whether ``port`` is free and no other ``make run`` for
     it is starting, checked before Ray starts; this process then holds a lock on
     ``<lock_dir>/mini-infer-port-<port>.lock`` (the temporary directory by default) until it
-    exits, since Serve binds the port only some seconds into a run. Where another server holds
-    either, one line says so; inside ``serve run`` that was a second Ray instance and ~170 lines
+    exits, since Serve binds the port only some seconds into a run, and writes its pid and
+    directory there. Where another server holds either, one line says so (and which run holds
+    the lock); inside ``serve run`` that was a second Ray instance and ~170 lines
     of tracebacks ~20 s later ("cannot bind socket ... [0.0.0.0:8000]"). True for other
     targets (a config file names its own port)."""
     global _port_lock
     if not argv or argv[0] != "app:deployment":
         return True
     path = os.path.join(lock_dir or tempfile.gettempdir(), f"mini-infer-port-{port}.lock")
-    try:
-        lock = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
-    except OSError:  # not ours to create or read: the port's own check below still holds
-        lock = None
+    lock, writable = None, True
+    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):  # another user's lock file: read it only
+        try:
+            lock = os.open(path, flags, 0o644)
+            break
+        except OSError:  # not ours to create or read: the port's own check below still holds
+            writable = False
     if lock is not None:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
+            holder = os.pread(lock, 4096, 0).decode(errors="replace").strip().split(" ", 1)
             os.close(lock)
-            print(f"serve_run: another `make run` for port {port} is starting or running; stop it first",
+            where = f" (pid {holder[0]}, in {holder[1]}; `kill {holder[0]}` stops it)" if len(holder) == 2 else ""
+            print(f"serve_run: another `make run` for port {port}{where} is starting or running; stop it first",
                   file=sys.stderr)
             return False
+        if writable:  # who holds it, for the refusal above
+            os.ftruncate(lock, 0)
+            os.pwrite(lock, f"{os.getpid()} {os.getcwd()}\n".encode(), 0)
     if _can_listen(port):
         _port_lock = lock
         return True

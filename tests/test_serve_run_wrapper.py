@@ -191,7 +191,8 @@ def test_a_taken_http_port_stops_the_run_before_ray_starts_with_one_line(capsys,
     # and a second run for the port while the first starts, before Serve binds it
     assert not wrapper.check_http_port(["app:deployment"], port, str(tmp_path / "b"))
     assert capsys.readouterr().err == (
-        f"serve_run: another `make run` for port {port} is starting or running; stop it first\n")
+        f"serve_run: another `make run` for port {port} (pid {os.getpid()}, in {os.getcwd()}; `kill {os.getpid()}` "
+        "stops it) is starting or running; stop it first\n")
 
 
 def test_haproxys_buffer_holds_the_largest_request_body_the_app_accepts():
