@@ -34,24 +34,35 @@ class Admission:
         self.limit = limit
         self.num_admitted = 0
 
-    def admit(self) -> Callable[[], None]:
-        """Let one request through; returns the function that gives its place back (once).
+    def check(self, count: int = 1) -> None:
+        """Whether ``count`` places are free now, taking none (a request is refused at once
+        while the service is full, before its body is read, and admitted once it has arrived).
 
         Raises:
-            OpenAIError: 503 ``overloaded`` (with ``Retry-After``) when ``limit`` are through.
+            OpenAIError: 503 ``overloaded`` (with ``Retry-After``) when fewer are free.
         """
-        if self.num_admitted >= self.limit:
+        if self.num_admitted + count > self.limit:
             raise OpenAIError(503, f"the service is overloaded: {self.limit} requests are running or "
                               "waiting (max_num_seqs + max_waiting_requests per engine replica); "
                               "retry later", code="overloaded")
-        self.num_admitted += 1
+
+    def admit(self, count: int = 1) -> Callable[[], None]:
+        """Let ``count`` requests through (a completions batch's other prompts: one engine
+        request each); returns the function that gives their places back (once).
+
+        Raises:
+            OpenAIError: 503 ``overloaded`` (with ``Retry-After``) when fewer than ``count``
+                places are free.
+        """
+        self.check(count)
+        self.num_admitted += count
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                self.num_admitted -= 1
+                self.num_admitted -= count
 
         return release
 
@@ -91,16 +102,17 @@ class ClosingStreamingResponse(StreamingResponse):
 
     Args:
         content: the body iterator.
-        on_close: called once the response is over.
+        on_close: called once the response is over (``self.on_close`` takes more).
         **kwargs: as ``StreamingResponse``.
     """
 
     def __init__(self, content, on_close: Callable[[], None], **kwargs) -> None:
         super().__init__(content, **kwargs)
-        self._on_close = on_close
+        self.on_close = [on_close]  # called in order; a caller may add more
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._on_close()
+            for on_close in self.on_close:
+                on_close()

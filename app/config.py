@@ -44,6 +44,12 @@ BODY_BYTES_OVERHEAD = 1 << 20
 # their bodies are read: microseconds each), /health, /v1/models. Past it, requests wait in
 # Serve's proxy, which retries every 0.5 s at most.
 INGRESS_HEADROOM = 1024
+# Engine replica places beyond the generation requests it holds, for the control calls of
+# /health (is_alive), /stats and /metrics: Serve counts every call to a replica against its
+# max_ongoing_requests, so without them those calls waited behind a full replica's
+# generations (a 503 "unhealthy" after 5 s, /stats after 9.7 s, in a trial). Each takes
+# milliseconds; the ingress shares one /health probe among its callers.
+ENGINE_CONTROL_HEADROOM = 16
 
 
 class ServiceSettings(BaseModel):
@@ -141,10 +147,20 @@ class ServiceSettings(BaseModel):
         return float(max(1, math.floor(node_cpus / self.num_engine_replicas)))
 
     @property
-    def engine_max_ongoing_requests(self) -> int:
-        """Serve's ``max_ongoing_requests`` for an engine replica: a full batch and the
-        engine's waiting queue, so that Serve never sends a request the engine would refuse."""
+    def engine_capacity(self) -> int:
+        """Generation requests an engine replica holds: a full batch and its waiting queue;
+        it refuses one more (503 ``overloaded``)."""
         return self.max_num_seqs + self.max_waiting_requests
+
+    @property
+    def engine_max_ongoing_requests(self) -> int:
+        """Serve's ``max_ongoing_requests`` for an engine replica: its capacity, and
+        ``ENGINE_CONTROL_HEADROOM`` places for control calls, which would otherwise wait
+        behind a full replica's generations. The ingress admits no more generation requests
+        than the replicas' capacity (``max_admitted_requests``), so with one engine replica
+        generations never take those places; with several, Serve's routing may send one
+        replica more than its capacity, and it refuses them (503 ``overloaded``)."""
+        return self.engine_capacity + ENGINE_CONTROL_HEADROOM
 
     @property
     def max_admitted_requests(self) -> int:
@@ -154,7 +170,7 @@ class ServiceSettings(BaseModel):
         Also Serve's ``max_queued_requests`` for the engine deployment, as a second bound:
         Serve checks its own before it counts a request as queued, so a burst can pass it,
         and a request that passed waits for a free replica without limit."""
-        return self.num_engine_replicas * self.engine_max_ongoing_requests
+        return self.num_engine_replicas * self.engine_capacity
 
     @property
     def ingress_max_ongoing_requests(self) -> int:

@@ -116,8 +116,10 @@ class EngineServer:
         """
         # Requests in flight beyond a full batch are the waiting queue (counted here, not in
         # the engine, so that a burst arriving between two steps is counted too).
-        # Serve's max_ongoing_requests (app.build_app) keeps this from happening behind the
-        # ingress; it still bounds direct callers of the deployment.
+        # The ingress's admission (app.config.AppConfig.max_admitted_requests) keeps this from
+        # happening behind it with one engine replica; with several, Serve's routing may send a
+        # replica more than it holds (its max_ongoing_requests keeps places for control calls),
+        # and this bounds direct callers of the deployment.
         num_waiting = self._num_in_flight - self.config.max_num_seqs
         if num_waiting >= self.config.max_waiting_requests:
             yield rejection(EngineOverloadedError(

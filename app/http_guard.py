@@ -1,6 +1,7 @@
 """The checks every HTTP request passes before FastAPI reads its body: the API key, admission
 of a generation request (``app.admission.Admission``), the request-body size limit and the body
-read timeout.
+read timeout. A generation request is refused at once while the service is full, and takes its
+place once its whole body has arrived (read here, then handed on).
 
 A pure ASGI middleware (not ``BaseHTTPMiddleware``), so that a refused request is answered
 without its body being read or parsed, and a streaming response is passed through untouched.
@@ -22,6 +23,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.admission import Admission
 from app.errors import OpenAIError, error_response, from_http_exception
+from engine.errors import excerpt
+
+JSON = "application/json"
 
 # Routes a load balancer probes without credentials (GET and HEAD).
 OPEN_PATHS = frozenset({"/health"})
@@ -30,16 +34,19 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 class RequestGuard:
-    """ASGI middleware: 401 without the API key, 503 for a generation request while the
-    engine replicas are full, 413 for a body over the limit, 408 for a body that stops
-    arriving; each in OpenAI's error envelope, and each before the body is read.
+    """ASGI middleware: 401 without the API key, 400 for a body not sent as JSON
+    (``check_json_body``), 503 for a generation request while the engine replicas are full,
+    413 for a body over the limit, 408 for a body that stops arriving; each in OpenAI's error
+    envelope, the first three before the body is read (413 from ``Content-Length``; for a
+    chunked body, as soon as the bytes read pass the limit).
 
     Args:
         app: the wrapped ASGI app.
         api_key: when set, every request but ``GET``/``HEAD`` on ``OPEN_PATHS`` needs
             ``Authorization: Bearer <api_key>`` (compared in constant time).
-        admission: a ``POST`` on ``GENERATION_PATHS`` holds a place in it until its response
-            has ended (streamed to the end, failed, or the client gone).
+        admission: a ``POST`` on ``GENERATION_PATHS`` is refused while it is full, and holds
+            a place in it from when its body has arrived until its response has ended
+            (streamed to the end, failed, or the client gone).
         max_body_bytes: returns the body limit in bytes; awaited only for requests that
             carry a body (the ingress learns the engine's ``max_model_len`` lazily).
         body_timeout_s: seconds to wait for each next part of a body.
@@ -62,9 +69,15 @@ class RequestGuard:
         try:
             try:
                 self._authorize(scope, headers)
+                check_json_body(headers)
                 if scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
+                    self.admission.check()  # full: refused at once, before the body is read
+                    if has_body(headers):
+                        receive = await self._read_body(headers, receive)
+                        if receive is None:  # the client left before its body was complete
+                            return
                     release = self.admission.admit()
-                if has_body(headers):
+                elif has_body(headers):
                     receive = await self._limit_body(headers, receive)
             except (OpenAIError, HTTPException) as error:
                 if isinstance(error, HTTPException):
@@ -85,6 +98,22 @@ class RequestGuard:
                                    self.expected_authorization.encode()):
             raise OpenAIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                               code="invalid_api_key")
+
+    async def _read_body(self, headers: Headers, receive: Receive) -> Receive | None:
+        """The whole body read now, under the size limit and the timeout, and handed to the
+        app as it would have arrived (``None`` if the client left first): a generation
+        request takes its place in admission only once its body is here, so that connections
+        that never finish a body cannot hold every place (a trial's 8 sockets that sent
+        headers and no body got every other request a 503 for 31 s)."""
+        limited = await self._limit_body(headers, receive)
+        parts = []
+        while True:
+            message = await limited()
+            if message["type"] != "http.request":
+                return None
+            parts.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                return _replay(b"".join(parts), receive)
 
     async def _limit_body(self, headers: Headers, receive: Receive) -> Receive:
         """Refuse a declared length over the limit now; count and time what arrives."""
@@ -114,6 +143,38 @@ class RequestGuard:
             return message
 
         return limited_receive
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """``receive`` for the app once the middleware has read the whole ``body``: the body as
+    one message, then the client's own messages (a disconnect)."""
+    pending: list[bytes] = [body]
+
+    async def replayed_receive() -> Message:
+        if pending:
+            return {"type": "http.request", "body": pending.pop(), "more_body": False}
+        return await receive()
+
+    return replayed_receive
+
+
+def check_json_body(headers: Headers) -> None:
+    """A body must be sent as JSON (``application/json`` or ``application/<x>+json``, any
+    parameters): every body this service takes is a JSON object, and a form or plain-text
+    body would otherwise fail with a message about the JSON instead of the header.
+
+    Raises:
+        OpenAIError: 400 ``unsupported_content_type`` for another or a missing type.
+    """
+    if not has_body(headers):
+        return
+    content_type = headers.get("content-type")
+    media_type = (content_type or "").split(";")[0].strip().lower()
+    if media_type == JSON or (media_type.startswith("application/") and media_type.endswith("+json")):
+        return
+    got = "no Content-Type header" if content_type is None else f"Content-Type {excerpt(content_type)}"
+    raise OpenAIError(400, f"the request body was sent with {got}; send it as JSON with "
+                      f"'Content-Type: {JSON}'", code="unsupported_content_type")
 
 
 def has_body(headers: Headers) -> bool:

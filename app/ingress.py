@@ -10,7 +10,8 @@ same status and body as a non-streaming one.
 
 import asyncio
 import uuid
-from typing import AsyncIterator
+from contextlib import aclosing
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -60,14 +61,14 @@ def _cancel(stream: DeploymentResponseGenerator) -> None:
         pass
 
 
-def _refused(record: dict, body: SamplingRequest, prompt_param: str = "prompt") -> OpenAIError:
+def _refused(record: dict, body: SamplingRequest, prompt_param: str = "prompt", prompt_index: int = 0) -> OpenAIError:
     """A ``Rejection`` record as the client's error: the engine's ``prompt`` becomes
-    ``prompt_param`` (a chat request sent ``messages``), a constraint's field the request's own
-    (``body.client_param``)."""
+    ``prompt_param`` (a chat request sent ``messages``; in a completions batch, the prompt at
+    ``prompt_index``), a constraint's field the request's own (``body.client_param``)."""
     error = OpenAIError(**record)
     if error.param == "prompt":
         error.param = prompt_param
-    error.message, error.param = body.client_param(error.message, error.param)
+    error.message, error.param = body.client_param(error.message, error.param, prompt_index)
     return error
 
 
@@ -87,6 +88,93 @@ class _EngineCall:
         if not self.finished:
             self.finished = True  # once
             _cancel(self.stream)
+
+
+def _close_all(calls: list[_EngineCall]) -> None:
+    for call in calls:
+        call.close()
+
+
+async def _first_records(calls: list[_EngineCall]) -> list[dict | None]:
+    """Each call's first record (an unstreamed call's is its whole result, or its first
+    part), read together; returns as soon as one is a ``Rejection``, with ``None`` for those
+    not come yet, so that one refused prompt of a batch is answered at once.
+
+    Raises:
+        Exception: the first error of any call (the others' reads are cancelled).
+    """
+    reads = {asyncio.ensure_future(call.stream.__anext__()): index for index, call in enumerate(calls)}
+    firsts: list[dict | None] = [None] * len(calls)
+    pending = set(reads)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            errors = [read.exception() for read in done if read.exception() is not None]  # each retrieved
+            if errors:
+                raise errors[0]
+            for read in done:
+                firsts[reads[read]] = read.result()
+            if any("status_code" in firsts[reads[read]] for read in done):
+                break
+    finally:
+        for read in pending:  # its stream is cancelled too (the caller closes the calls): the
+            read.cancel()     # read ends with Serve's RequestCancelledError, retrieved here
+            read.add_done_callback(_retrieved)
+    return firsts
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """A done callback: mark the task's exception retrieved (asyncio logs a traceback for one
+    nobody retrieved)."""
+    if not task.cancelled():
+        task.exception()
+
+
+_END = object()  # a call's stream ran to its end
+
+
+async def _merged(calls: list[_EngineCall]) -> AsyncIterator[tuple[int, dict]]:
+    """``(prompt index, record)`` from every call's stream, in the order they come; each
+    call is ``finished`` once its stream ran to its end. An error in any stream is raised
+    here (the caller closes them all). Each stream is read no further ahead of the consumer
+    than one record, so a slow client still slows the engine's records (as one stream's
+    reader does).
+    """
+    if len(calls) == 1:  # the common case: no task, no queue
+        async for output in calls[0].stream:
+            yield 0, output
+        calls[0].finished = True
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
+    closed = False
+
+    async def pump(index: int, call: _EngineCall) -> None:
+        try:
+            async for output in call.stream:
+                await queue.put((index, output))
+            await queue.put((index, _END))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, if it is still there
+            if not closed:  # (Serve ends a cancelled read with RequestCancelledError)
+                await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(index, call)) for index, call in enumerate(calls)]
+    for task in tasks:
+        task.add_done_callback(_retrieved)
+    try:
+        remaining = len(calls)
+        while remaining:
+            index, item = await queue.get()
+            if item is _END:
+                calls[index].finished = True
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        closed = True
+        for task in tasks:
+            task.cancel()
 
 
 @serve.deployment
@@ -109,8 +197,8 @@ class OpenAIIngress:
         self._max_body_bytes = config.max_request_body_bytes
         self._health = CachedCheck(self._check_health, HEALTH_CACHE_S)
         self._ready = CachedCheck(self._check_ready, READY_CACHE_S)
-        install_middleware(fastapi_app, api_key=config.api_key,
-                           admission=Admission(config.max_admitted_requests),
+        self.admission = Admission(config.max_admitted_requests)
+        install_middleware(fastapi_app, api_key=config.api_key, admission=self.admission,
                            max_body_bytes=self.max_body_bytes,
                            body_timeout_s=config.request_body_timeout_s)
 
@@ -123,19 +211,45 @@ class OpenAIIngress:
             raise OpenAIError(400, "echo with logprobs needs the prompt's logprobs (prompt_logprobs), "
                               "which this server does not compute", param="echo",
                               code="unsupported_parameter")
-        prompt, params = body.engine_prompt(), body.sampling_params()  # checked before n sizes anything
+        params = body.sampling_params()  # checked before n sizes anything
+        prompts = body.engine_prompts()  # a batch's size checked against n
         formatter = ResponseFormatter(self.config.model_name, body.n, body.logprobs, body.include_usage,
-                                      body.continuous_usage)
-        return await self._respond(request, body, prompt, params, formatter, echo=body.echo)
+                                      body.continuous_usage, num_prompts=len(prompts))
+        release = self._admit_batch(len(prompts))
+        try:
+            response = await self._respond(request, body, prompts, params, formatter, echo=body.echo)
+        except BaseException:
+            release()
+            raise
+        if isinstance(response, ClosingStreamingResponse):
+            response.on_close.append(release)
+        else:
+            release()
+        return response
+
+    def _admit_batch(self, num_prompts: int) -> Callable[[], None]:
+        """A batch's other prompts each take a place in admission, as requests of their own
+        would (the middleware admitted the first): the bound on what waits for the engine
+        replicas holds for batches too.
+
+        Raises:
+            OpenAIError: 400 naming ``prompt`` for a batch larger than the bound itself; 503
+                ``overloaded`` when too few places are free now.
+        """
+        if num_prompts > self.admission.limit:
+            raise OpenAIError(400, f"prompt: a batch of {num_prompts} prompts is more than the "
+                              f"{self.admission.limit} requests this service runs or queues at once "
+                              "(max_num_seqs + max_waiting_requests per engine replica)", param="prompt")
+        return self.admission.admit(num_prompts - 1)
 
     @fastapi_app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check(body, "chat")
         body.check_tools()
-        prompt, params = body.engine_prompt(), body.sampling_params()  # checked before n sizes anything
+        prompts, params = body.engine_prompts(), body.sampling_params()  # checked before n sizes anything
         formatter = ChatFormatter(self.config.model_name, body.n, body.num_logprobs(), body.include_usage,
                                   body.tool_mode(), body.continuous_usage)
-        return await self._respond(request, body, prompt, params, formatter, prompt_param="messages")
+        return await self._respond(request, body, prompts, params, formatter, prompt_param="messages")
 
     @fastapi_app.get("/v1/models")
     async def models(self):
@@ -229,7 +343,8 @@ class OpenAIIngress:
 
     async def _check_health(self) -> dict:
         # broadcast() reaches every running engine replica past Serve's queue (a full
-        # replica still answers) and fails at once when there is none.
+        # replica still answers: AppConfig.engine_max_ongoing_requests keeps places for it)
+        # and fails at once when there is none.
         try:
             alive = await self.engine.broadcast("is_alive").results_async(
                 timeout_s=HEALTH_TIMEOUT_S, return_exceptions=True)
@@ -274,75 +389,85 @@ class OpenAIIngress:
             raise OpenAIError(400, f"{field.name} is not supported by this server{note}; leave it out",
                               param=field.name, code="unsupported_parameter")
 
-    async def _respond(self, request: Request, body: SamplingRequest, prompt: dict, params: SamplingParams,
+    async def _respond(self, request: Request, body: SamplingRequest, prompts: list[dict], params: SamplingParams,
                        formatter: ResponseFormatter, prompt_param: str = "prompt", echo: bool = False):
-        call = _EngineCall(self.engine_stream.generate.remote(prompt, params, uuid.uuid4().hex, echo,
-                                                              body.stream))
+        """One engine request per prompt (a completions batch has several, run together,
+        each routed by itself); no header before every prompt's first record, so that a
+        refused prompt gets its 4xx, not a broken stream."""
+        calls = [_EngineCall(self.engine_stream.generate.remote(prompt, params, uuid.uuid4().hex, echo, body.stream))
+                 for prompt in prompts]
         try:
-            first = await call.stream.__anext__()  # accepted, or the engine's 4xx, before any header
+            if len(calls) == 1:  # accepted, or the engine's 4xx, before any header
+                firsts = [await calls[0].stream.__anext__()]
+            else:
+                firsts = await _first_records(calls)
         except asyncio.CancelledError:
-            call.close()
+            _close_all(calls)
             # a stream's first record is its first output; an unstreamed request's, its whole result
             self._client_gone(request, "before the first token" if body.stream else "before the response was complete")
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
-            call.close()
+            _close_all(calls)
             raise from_exception(exc) from exc
-        if "status_code" in first:  # a Rejection: the engine's only record
-            call.close()
-            raise _refused(first, body, prompt_param)
-        headers = {REPLICA_HEADER: first["replica_id"]}
+        for index, first in enumerate(firsts):
+            if first is not None and "status_code" in first:  # a Rejection: the engine's only record
+                _close_all(calls)
+                raise _refused(first, body, prompt_param, index)
+        headers = {REPLICA_HEADER: ",".join(dict.fromkeys(first["replica_id"] for first in firsts))}
         if body.stream:
-            return ClosingStreamingResponse(self._sse(request, body, first, call, formatter), call.close,
-                                            headers=headers, media_type="text/event-stream")
+            return ClosingStreamingResponse(self._sse(request, body, firsts, calls, formatter),
+                                            lambda: _close_all(calls), headers=headers,
+                                            media_type="text/event-stream")
         try:  # the whole result: one record, or several where it is large (EngineServer.generate)
-            formatter.add(first)
-            async for output in call.stream:
-                if "status_code" in output:  # a Rejection: the request's own fault mid-way (its last record)
-                    call.finished = True
-                    raise _refused(output, body, prompt_param)
-                formatter.add(output)
-            call.finished = True
+            for index, first in enumerate(firsts):
+                formatter.add(first, index)
+            async with aclosing(_merged(calls)) as outputs:
+                async for index, output in outputs:
+                    if "status_code" in output:  # a Rejection: the request's own fault mid-way (its last record)
+                        calls[index].finished = True
+                        raise _refused(output, body, prompt_param, index)
+                    formatter.add(output, index)
         except asyncio.CancelledError:
             self._client_gone(request, "before the response was complete")
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
             raise from_exception(exc) from exc
         finally:  # also when the client went away: stop the engine's work
-            call.close()
+            _close_all(calls)
         return JSONResponse(formatter.response(), headers=headers)
 
-    async def _sse(self, request: Request, body: SamplingRequest, first: dict, call: _EngineCall,
+    async def _sse(self, request: Request, body: SamplingRequest, firsts: list[dict], calls: list[_EngineCall],
                    formatter: ResponseFormatter) -> AsyncIterator[str]:
         num_events = 0
         try:
-            for chunk in formatter.chunks(first, first=True):
-                num_events += 1
-                yield chunk
-            async for output in call.stream:
-                if "status_code" in output:  # a Rejection: the request's own fault mid-way (its last record)
-                    call.finished = True
-                    raise _refused(output, body)
-                for chunk in formatter.chunks(output, first=False):
+            for index, first in enumerate(firsts):
+                for chunk in formatter.chunks(first, True, index):
                     num_events += 1
                     yield chunk
-            call.finished = True
+            async with aclosing(_merged(calls)) as outputs:
+                async for index, output in outputs:
+                    if "status_code" in output:  # a Rejection: the request's own fault mid-way (its last record)
+                        calls[index].finished = True
+                        raise _refused(output, body, prompt_index=index)
+                    for chunk in formatter.chunks(output, False, index):
+                        num_events += 1
+                        yield chunk
             for chunk in formatter.final_chunks():
                 yield chunk
         except (asyncio.CancelledError, GeneratorExit):
-            if not call.finished:
+            if not all(call.finished for call in calls):
                 self._client_gone(request, f"after {num_events} events")
             raise
         except Exception as exc:  # noqa: BLE001 - the headers are gone: an SSE error event
-            call.close()
+            _close_all(calls)
             error = from_exception(exc)
             self.http_metrics.record_error(error.status_code)
             log_error(request, error, exc)
             yield sse_error(error)
             yield DONE
-        finally:  # disconnected or failed: abort the request in the engine (its blocks are
-            # free within a step)
-            call.close()
+        finally:  # disconnected or failed: abort the requests in the engine (their blocks
+            # are free within a step)
+            _close_all(calls)
 
     def _client_gone(self, request: Request, when: str) -> None:
         """A client that disconnected: one log line and a 499 in the metrics (the caller

@@ -1,7 +1,7 @@
 """HTTP rules that hold for every route, as ASGI middleware (so that routes added later
 follow them too): a client's disconnect delivered as ASGI says, HEAD answered like GET, the
-checks of ``app.http_guard.RequestGuard`` (API key, admission, body size and timeout), a
-JSON ``Content-Type`` on bodies.
+checks of ``app.http_guard.RequestGuard`` (API key, a JSON ``Content-Type`` on bodies,
+admission, body size and timeout).
 
 ``install_middleware`` adds them in the order a request meets them (see there for why).
 """
@@ -11,15 +11,11 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
 from ray.exceptions import TaskCancelledError
-from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.admission import Admission
-from app.errors import CLIENT_DISCONNECTED, OpenAIError, error_response
-from app.http_guard import RequestGuard, has_body
-from engine.errors import excerpt
-
-JSON = "application/json"
+from app.errors import CLIENT_DISCONNECTED
+from app.http_guard import RequestGuard
 
 
 class DisconnectAsMessage:
@@ -69,41 +65,6 @@ class HeadAsGet:
         await self.app({**scope, "method": "GET"}, receive, send_headers_only)
 
 
-class _Rule:
-    """A check on a request's scope; a failed check is answered with its ``OpenAIError``."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = self.check(Request(scope)) if scope["type"] == "http" else None
-        if error is None:
-            await self.app(scope, receive, send)
-        else:
-            await error_response(Request(scope), error)(scope, receive, send)
-
-    def check(self, request: Request) -> OpenAIError | None:
-        raise NotImplementedError
-
-
-class RequireJsonBody(_Rule):
-    """400 for a request with a body whose ``Content-Type`` is not JSON (``application/json``
-    or ``application/<x>+json``, any parameters), or missing: every body this service takes
-    is a JSON object, and a form or plain-text body would otherwise fail with a message about
-    the JSON instead of the header."""
-
-    def check(self, request: Request) -> OpenAIError | None:
-        if not has_body(request.headers):
-            return None
-        content_type = request.headers.get("content-type")
-        media_type = (content_type or "").split(";")[0].strip().lower()
-        if media_type == JSON or (media_type.startswith("application/") and media_type.endswith("+json")):
-            return None
-        got = "no Content-Type header" if content_type is None else f"Content-Type {excerpt(content_type)}"
-        return OpenAIError(400, f"the request body was sent with {got}; send it as JSON with "
-                           f"'Content-Type: {JSON}'", code="unsupported_content_type")
-
-
 def install_middleware(app: FastAPI, api_key: str | None, admission: Admission,
                        max_body_bytes: Callable[[], Awaitable[int]], body_timeout_s: float) -> None:
     """Add the rules above to ``app``; the arguments are ``RequestGuard``'s.
@@ -115,12 +76,11 @@ def install_middleware(app: FastAPI, api_key: str | None, admission: Admission,
     2. ``HeadAsGet``: the rules after it see a HEAD as the GET it stands for, and whatever
        they answer loses its body here: ``HEAD /health`` is as open as ``GET /health``, and a
        HEAD without the API key gets the 401's status and headers, no body.
-    3. ``RequestGuard``: the API key first (a client without it learns nothing else), then
-       admission and the body's size and timeout, all before any byte of the body is read.
-    4. ``RequireJsonBody``: a header check, after the key (an unauthenticated client gets
-       401, not a 400 about its content type).
+    3. ``RequestGuard``: the API key first (a client without it learns nothing else), then a
+       JSON ``Content-Type``, admission while full, all before any byte of the body is
+       read, then the body's size and timeout (and a generation request's place once its
+       body is here).
     """
-    app.add_middleware(RequireJsonBody)
     app.add_middleware(RequestGuard, api_key=api_key, admission=admission,
                        max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     app.add_middleware(HeadAsGet)

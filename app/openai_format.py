@@ -57,12 +57,14 @@ class ResponseFormatter:
 
     Args:
         model: the served model name.
-        n: number of choices.
+        n: number of choices per prompt.
         num_logprobs: top alternatives per token, ``None`` when logprobs were not asked for.
         include_usage: streaming: end with a chunk carrying ``usage``.
         continuous_usage: streaming: every chunk carries ``usage`` too (vLLM's
             ``continuous_usage_stats``): as vLLM's, a choice's chunk counts that choice's
             tokens so far, including the chunk's own (0 in a chat role chunk).
+        num_prompts: a completions batch's prompts; prompt ``j``'s choices are numbered
+            ``j * n`` to ``j * n + n - 1`` (vLLM's order), and ``usage`` sums the prompts.
     """
 
     id_prefix = "cmpl"
@@ -70,49 +72,56 @@ class ResponseFormatter:
     chunk_object_name = "text_completion"
 
     def __init__(self, model: str, n: int, num_logprobs: int | None, include_usage: bool,
-                 continuous_usage: bool = False) -> None:
+                 continuous_usage: bool = False, num_prompts: int = 1) -> None:
         self.id = new_id(self.id_prefix)
         self.created = now()
         self.model = model
-        self.choices = [_Choice() for _ in range(n)]
+        self.n = n
+        self.choices = [_Choice() for _ in range(n * num_prompts)]  # prompt j's at j*n .. j*n + n-1
         self.num_logprobs = num_logprobs
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
-        self.num_prompt_tokens = 0
-        self.echo_text: str | None = None  # the prompt, put before each choice's text (echo)
-        self.num_cached_tokens = 0
+        self.num_prompt_tokens = [0] * num_prompts
+        self.echo_text: list[str | None] = [None] * num_prompts  # each prompt, put before its choices' text (echo)
+        self.num_cached_tokens = [0] * num_prompts
 
     # ---- accumulate ----------------------------------------------------------------------
 
-    def add(self, output: EngineOutput) -> list[tuple[int, CompletionDelta]]:
-        """Record one engine output; returns ``(index, delta)`` per choice it touched."""
-        self._add_prompt(output)
+    def add(self, output: EngineOutput, prompt_index: int = 0) -> list[tuple[int, CompletionDelta]]:
+        """Record one engine output of the prompt at ``prompt_index``; returns ``(index,
+        delta)`` per choice it touched (the response's index)."""
+        self._add_prompt(output, prompt_index)
+        echo_text, first = self.echo_text[prompt_index], prompt_index * self.n
         deltas = []
         for delta in output["outputs"]:
-            choice = self.choices[delta["index"]]
-            if self.echo_text is not None and not choice.text:
-                delta = {**delta, "text": self.echo_text + delta["text"]}
+            index = first + delta["index"]
+            choice = self.choices[index]
+            if echo_text is not None and not choice.text:
+                delta = {**delta, "text": echo_text + delta["text"]}
             choice.text.append(delta["text"])
             choice.num_tokens += len(delta["token_ids"])
             choice.logprobs += delta["logprobs"] or []
             choice.finish_reason = delta["finish_reason"]
             choice.stop_reason = delta["stop_reason"]
-            deltas.append((delta["index"], delta))
+            deltas.append((index, delta))
         return deltas
 
-    def _add_prompt(self, output: EngineOutput) -> None:
+    def _add_prompt(self, output: EngineOutput, prompt_index: int = 0) -> None:
         """The prompt's part of ``output``: its token counts and (echo) text."""
-        self.num_prompt_tokens = output["num_prompt_tokens"]
-        self.echo_text = output.get("prompt_text", self.echo_text)
-        self.num_cached_tokens = output["num_cached_tokens"]
+        self.num_prompt_tokens[prompt_index] = output["num_prompt_tokens"]
+        self.echo_text[prompt_index] = output.get("prompt_text", self.echo_text[prompt_index])
+        self.num_cached_tokens[prompt_index] = output["num_cached_tokens"]
 
     def usage(self, choice: int | None = None) -> dict:
-        """Token counts: of every choice, or of the one at index ``choice``."""
+        """Token counts: of every choice and prompt, or of the one choice at index ``choice``
+        and its prompt."""
+        prompts = slice(None) if choice is None else slice(choice // self.n, choice // self.n + 1)
         counted = self.choices if choice is None else [self.choices[choice]]
         completion = sum(c.num_tokens for c in counted)
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.num_prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+        num_prompt_tokens = sum(self.num_prompt_tokens[prompts])
+        return {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion,
+                "total_tokens": num_prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.num_cached_tokens[prompts])}}
 
     # ---- render --------------------------------------------------------------------------
 
@@ -122,9 +131,10 @@ class ResponseFormatter:
                 "model": self.model, "usage": self.usage(),
                 "choices": [self._full_choice(i, c) for i, c in enumerate(self.choices)]}
 
-    def chunks(self, output: EngineOutput, first: bool) -> list[str]:
-        """SSE lines for one engine output (none for a choice whose delta carries nothing)."""
-        choices = [self._delta_choice(index, delta) for index, delta in self.add(output)]
+    def chunks(self, output: EngineOutput, first: bool, prompt_index: int = 0) -> list[str]:
+        """SSE lines for one engine output of the prompt at ``prompt_index`` (none for a
+        choice whose delta carries nothing)."""
+        choices = [self._delta_choice(index, delta) for index, delta in self.add(output, prompt_index)]
         return [self._sse([choice]) for choice in choices if self._carries_something(choice)]
 
     def _carries_something(self, choice: dict) -> bool:
@@ -198,9 +208,9 @@ class ChatFormatter(ResponseFormatter):
         self.tool_mode = tool_mode
         self._tool_streams = [ToolCallStream(tool_mode) for _ in range(n)] if tool_mode else None
 
-    def chunks(self, output: EngineOutput, first: bool) -> list[str]:
+    def chunks(self, output: EngineOutput, first: bool, prompt_index: int = 0) -> list[str]:
         # The first chunk of each choice carries the assistant role, as OpenAI's does (with
-        # continuous usage: the prompt's tokens, none generated yet, as vLLM's).
+        # continuous usage: the prompt's tokens, none generated yet, as vLLM's). One prompt.
         if first:
             self._add_prompt(output)
         roles = [self._sse([{"index": i, "delta": {"role": "assistant", "content": ""},

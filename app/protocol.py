@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from app.tool_calls import ToolMode, tool_constraint
 from engine.errors import InvalidRequestError, excerpt
 from engine.json_schema import check_schema
-from engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from engine.sampling_params import MAX_LOGPROBS, MAX_N, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # OpenAI's API reference: "What sampling temperature to use, between 0 and 2."
 OPENAI_MAX_TEMPERATURE = 2.0
@@ -207,8 +207,9 @@ class SamplingRequest(RequestModel):
     cache_salt: str | None = Field(None, description="Prefix caching: only requests with the same "
                                    "salt share cached KV blocks (vLLM's field); a non-empty string.")
 
-    def engine_prompt(self) -> dict:
-        """What ``EngineServer.generate`` takes as its prompt."""
+    def engine_prompts(self) -> list[dict]:
+        """What ``EngineServer.generate`` takes as its prompt, one per prompt (a chat request
+        has one; a completions request may send a batch)."""
         raise NotImplementedError
 
     def max_new_tokens(self) -> int | None:
@@ -285,10 +286,10 @@ class SamplingRequest(RequestModel):
         except InvalidRequestError as exc:
             raise InvalidRequestError(*self.client_param(str(exc), exc.param)) from None
 
-    def client_param(self, message: str, param: str | None) -> tuple[str, str | None]:
-        """An error's ``(message, param)`` with the engine's ``structured_outputs[.field]``
-        renamed to the request field the constraint came from (``guided_json``,
-        ``response_format.json_schema.schema``, ...)."""
+    def client_param(self, message: str, param: str | None, prompt_index: int = 0) -> tuple[str, str | None]:
+        """An error's ``(message, param)`` (about the prompt at ``prompt_index``) with the
+        engine's ``structured_outputs[.field]`` renamed to the request field the constraint
+        came from (``guided_json``, ``response_format.json_schema.schema``, ...)."""
         source = self._constraint_param
         if param is None or not param.startswith("structured_outputs") or source in (None, "structured_outputs"):
             return message, param
@@ -370,7 +371,8 @@ class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
 
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="The prompt: text or token ids (one prompt).")
+        description="The prompt: text or token ids, or a list of prompts (a batch: each "
+                    "prompt's n choices, prompt after prompt).")
     max_tokens: int | None = Field(16, description="Most tokens per choice.")
     logprobs: int | None = Field(None, description=f"Top alternatives per token, 0..{MAX_LOGPROBS}.")
     echo: bool = Field(False, description="Return the prompt's text before the completion.")
@@ -381,33 +383,31 @@ class CompletionRequest(SamplingRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def client_param(self, message: str, param: str | None) -> tuple[str, str | None]:
-        """As ``SamplingRequest.client_param``; the engine's ``prompt[i]`` (a token id of
-        the prompt it was given) becomes ``prompt[0][i]`` where the client wrapped the token
-        ids in a one-prompt list."""
-        if param is not None and param.startswith("prompt[") and isinstance(self.prompt, list) \
-                and self.prompt and isinstance(self.prompt[0], list):
-            wrapped = "prompt[0]" + param[len("prompt"):]
-            return wrapped + message[len(param):] if message.startswith(param) else message, wrapped
-        return super().client_param(message, param)
+    def is_batch(self) -> bool:
+        """Whether ``prompt`` is a list of prompts (of one or more), not one prompt."""
+        return isinstance(self.prompt, list) and bool(self.prompt) and isinstance(self.prompt[0], (str, list))
 
-    def engine_prompt(self) -> dict:
-        prompt = self.single_prompt()
-        return {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+    def client_param(self, message: str, param: str | None, prompt_index: int = 0) -> tuple[str, str | None]:
+        """As ``SamplingRequest.client_param``; where ``prompt`` is a list of prompts, the
+        engine's ``prompt`` (or ``prompt[i]``, a token id of the prompt it was given) becomes
+        ``prompt[prompt_index]`` (``prompt[prompt_index][i]``)."""
+        if param is not None and (param == "prompt" or param.startswith("prompt[")) and self.is_batch():
+            named = f"prompt[{prompt_index}]" + param[len("prompt"):]
+            return named + message[len(param):] if message.startswith(param) else message, named
+        return super().client_param(message, param, prompt_index)
 
-    def single_prompt(self) -> str | list[int]:
-        """The prompt, unwrapped from a one-element list.
+    def engine_prompts(self) -> list[dict]:
+        """What ``EngineServer.generate`` takes, one per prompt (a batch's in order).
 
         Raises:
-            InvalidRequestError: naming ``prompt``, for a batch of several prompts.
+            InvalidRequestError: naming ``prompt``, for a batch whose choices (prompts x
+                ``n``) exceed ``MAX_N``.
         """
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise InvalidRequestError(f"prompt: one prompt per request is supported; got "
-                                          f"{len(prompt)}", "prompt")
-            prompt = prompt[0]
-        return prompt
+        prompts = self.prompt if self.is_batch() else [self.prompt]
+        if len(prompts) * self.n > MAX_N:
+            raise InvalidRequestError(f"prompt: a batch of {len(prompts)} prompts x n ({self.n}) is "
+                                      f"{len(prompts) * self.n} choices; at most {MAX_N}", "prompt")
+        return [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
 
 
 class TextPart(RequestModel):
@@ -614,10 +614,10 @@ class ChatCompletionRequest(SamplingRequest):
                 raise
             raise InvalidRequestError(self._as_sent(str(exc)), self._as_sent(exc.param)) from None
 
-    def client_param(self, message: str, param: str | None) -> tuple[str, str | None]:
+    def client_param(self, message: str, param: str | None, prompt_index: int = 0) -> tuple[str, str | None]:
         """As ``SamplingRequest.client_param``; the engine's length errors name
         ``max_tokens``, which reads ``max_completion_tokens`` where the request set that."""
-        message, param = super().client_param(message, param)
+        message, param = super().client_param(message, param, prompt_index)
         return self._as_sent(message), param
 
     def _as_sent(self, text: str) -> str:
@@ -627,12 +627,12 @@ class ChatCompletionRequest(SamplingRequest):
             return text
         return text.replace("max_tokens", "max_completion_tokens")
 
-    def engine_prompt(self) -> dict:
-        """The conversation with ``LLMEngine.chat_prompt``'s options."""
-        return {"messages": [m.engine_message() for m in self.messages],
+    def engine_prompts(self) -> list[dict]:
+        """The conversation with ``LLMEngine.chat_prompt``'s options (one prompt)."""
+        return [{"messages": [m.engine_message() for m in self.messages],
                 "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message,
-                "tools": self.functions() if self.tool_mode() is not None else None}
+                "tools": self.functions() if self.tool_mode() is not None else None}]
 
     def num_logprobs(self) -> int | None:
         """``top_logprobs`` as the engine's ``logprobs``, ``None`` when not asked for.

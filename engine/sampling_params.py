@@ -10,6 +10,7 @@ from engine.errors import InvalidRequestError, excerpt
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+MAX_N = 128  # OpenAI's limit on n (chat completions)
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; each costs the detokenizer a little per character
 
 
@@ -183,7 +184,7 @@ class SamplingParams:
     cache_salt: str | None = None
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "an integer in [1, 128]", self.n)
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
         _check(0 <= self.temperature < math.inf, "temperature", "a finite number >= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",

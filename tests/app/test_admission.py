@@ -29,6 +29,21 @@ def test_admission_refuses_past_its_limit_and_each_place_comes_back_once():
     assert admission.num_admitted == 0
 
 
+def test_a_batchs_places_are_taken_and_given_back_together():
+    admission = Admission(limit=5)
+    first = admission.admit()
+    batch = admission.admit(3)  # a completions batch of 4 prompts: the middleware took the first place
+    with pytest.raises(OpenAIError):
+        admission.admit(2)  # 4 + 2 > 5: none taken
+    assert admission.num_admitted == 4
+    last = admission.admit()
+    batch()
+    batch()
+    assert admission.num_admitted == 2
+    first(), last()
+    assert admission.num_admitted == 0 and admission.admit(0)() is None
+
+
 def test_callers_share_one_run_until_it_expires():
     runs = []
 

@@ -105,6 +105,32 @@ def test_n_choices_and_a_seed_that_repeats(client):
     assert [by_index[0], by_index[1]] == [c.text for c in first.choices]
 
 
+def test_a_batch_of_prompts_gets_n_choices_per_prompt_in_order(client, tokenizer):
+    # OpenAI's and vLLM's batch: prompt j's n choices are j*n .. j*n + n-1; usage sums them
+    prompts = ["The capital of France is", "1, 2, 3,", "Once upon a time"]
+    num_prompt_tokens = sum(len(tokenizer(p).input_ids) for p in prompts)
+    kwargs = dict(model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=0.8, seed=7, echo=True,
+                  extra_body={"ignore_eos": True})
+    out = client.completions.create(**kwargs)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3, 4, 5]
+    assert [prompts.index(next(p for p in prompts if c.text.startswith(p))) for c in out.choices] == [0, 0, 1, 1, 2, 2]
+    assert [c.finish_reason for c in out.choices] == ["length"] * 6
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (num_prompt_tokens, 30)
+    streamed = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    texts = {}
+    for chunk in streamed[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert sorted(texts) == [0, 1, 2, 3, 4, 5]
+    assert all(texts[i].startswith(prompts[i // 2]) and len(texts[i]) > len(prompts[i // 2]) for i in texts)
+    assert (streamed[-1].usage.prompt_tokens, streamed[-1].usage.completion_tokens) == (num_prompt_tokens, 30)
+    # token ids: each prompt's echo is its text
+    ids = [tokenizer(p).input_ids for p in prompts]
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, echo=True)
+    assert [c.text[:len(p)] for c, p in zip(out.choices, prompts, strict=True)] == prompts
+    assert out.usage.prompt_tokens == num_prompt_tokens
+
+
 def test_logprobs_in_the_openai_shapes(client):
     out = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0, logprobs=3)
     lp = out.choices[0].logprobs

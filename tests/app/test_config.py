@@ -10,7 +10,8 @@ def test_environment_fills_in_and_arguments_win(monkeypatch):
     monkeypatch.setenv("MINI_INFER_API_KEY", "from-env")
     config = AppConfig.load({"api_key": "from-args", "kv_cache_memory_gb": "0.5"})
     assert (config.max_num_seqs, config.api_key, config.kv_cache_memory_gb) == (32, "from-args", 0.5)
-    assert config.engine_max_ongoing_requests == config.max_admitted_requests == 32 + 512
+    assert config.engine_capacity == config.max_admitted_requests == 32 + 512
+    assert config.engine_max_ongoing_requests == 32 + 512 + 16  # and the control calls' places
     assert config.ingress_max_ongoing_requests == 32 + 512 + 1024
     engine = config.engine_config()
     assert engine.scheduler.max_num_seqs == 32 and engine.cache.kv_cache_memory_gb == 0.5
@@ -149,7 +150,8 @@ def test_outside_ray_auto_is_left_to_the_engine(monkeypatch):
 
 def test_queue_bounds_and_body_limit_follow_the_engine_settings():
     config = AppConfig.load({"max_num_seqs": 2, "max_waiting_requests": 1, "num_engine_replicas": 3})
-    assert config.engine_max_ongoing_requests == 2 + 1  # a full batch and the engine's queue
+    assert config.engine_capacity == 2 + 1  # a full batch and the engine's queue
+    assert config.engine_max_ongoing_requests == 2 + 1 + 16  # and the control calls' places
     assert config.max_admitted_requests == 3 * (2 + 1)  # what all engine replicas hold
     assert config.ingress_max_ongoing_requests == 3 * (2 + 1) + 1024
     assert config.max_body_bytes(max_model_len=8192) == 64 * 8192 + (1 << 20)

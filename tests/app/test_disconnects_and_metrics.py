@@ -57,22 +57,49 @@ def test_streams_cut_after_their_first_chunk_free_everything_within_2s(api):
     assert counted == 20  # each request's one choice, finished by its client leaving
 
 
+def test_a_batch_of_prompts_cut_mid_stream_or_unstreamed_frees_every_prompts_request(api):
+    # a completions batch runs one engine request per prompt: a client that leaves stops all
+    body = {"model": MODEL, "prompt": ["Tell a long story.", "Count to a thousand:", "Once upon a time"], "n": 2,
+            "max_tokens": 1000, "ignore_eos": True}
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(api.url + "/v1/completions", json={**body, "stream": True}) as response:
+                assert response.status == 200
+                num_events = 0
+                async for line in response.content:
+                    num_events += line.startswith(b"data: {")
+                    if num_events == 10:
+                        break
+            streamed = await _wait_idle(session, api.url, timeout=2.0)
+            return streamed, await _leave_unstreamed_after_1s(session, api.url, body)
+
+    (idle, stats), (unstreamed_idle, unstreamed_stats) = asyncio.run(main())
+    assert idle, stats
+    assert unstreamed_idle, unstreamed_stats
+
+
 def _sample(text: str, pattern: str) -> float:
     """The sum of the samples whose series matches ``pattern`` in Prometheus text."""
     return sum(float(v) for v in re.findall(rf"^{pattern} (\S+)$", text, re.M))
+
+
+async def _leave_unstreamed_after_1s(session, url: str, body: dict):
+    """Send ``body`` unstreamed, leave after 1 s; then ``_wait_idle`` for 2 s."""
+    try:
+        async with session.post(url + "/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=1.0)) as response:
+            await response.read()
+    except asyncio.TimeoutError:
+        pass
+    return await _wait_idle(session, url, timeout=2.0)
 
 
 def test_a_non_streaming_client_that_leaves_aborts_its_request(api):
     async def main():
         async with aiohttp.ClientSession() as session:
             body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 2000, "ignore_eos": True}
-            try:
-                async with session.post(api.url + "/v1/completions", json=body,
-                                        timeout=aiohttp.ClientTimeout(total=1.0)) as response:
-                    await response.read()
-            except asyncio.TimeoutError:
-                pass
-            return await _wait_idle(session, api.url, timeout=2.0)
+            return await _leave_unstreamed_after_1s(session, api.url, body)
 
     idle, stats = asyncio.run(main())
     assert idle, stats

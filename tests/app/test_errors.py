@@ -77,6 +77,13 @@ def _error_cases():
         ("max_completion_tokens over max_model_len: the room left", "/v1/chat/completions",
          {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 8190}, 400,
          "messages", "context_length_exceeded", "): max_completion_tokens can be at most "),
+        # a batch: the prompt at fault is named; the others' requests stop (no block is left)
+        ("a batch's second prompt over max_model_len", "/v1/completions", {**ok, "prompt": ["Hi", LONG_PROMPT]},
+         400, "prompt[1]", "context_length_exceeded", "prompt[1] ("),
+        ("a batch's token id out of range", "/v1/completions", {**ok, "prompt": [[1, 2], [3, 10**6]]}, 400,
+         "prompt[1][1]", None, "prompt[1][1]: token id 1000000 is outside the vocabulary [0, 49152)"),
+        ("a batch of too many choices", "/v1/completions", {**ok, "prompt": ["a"] * 65, "n": 2}, 400, "prompt",
+         None, "prompt: a batch of 65 prompts x n (2) is 130 choices; at most 128"),
         ("max_tokens over max_model_len", "/v1/completions", {**ok, "prompt": [1, 2], "max_tokens": 9000}, 400,
          "prompt", "context_length_exceeded",
          "prompt (2 tokens) + max_tokens (9000) = 9002 tokens exceeds max_model_len (8192): max_tokens can be "

@@ -199,7 +199,7 @@ def test_a_generation_request_holds_its_place_until_its_response_ends():
 
     (status, _, body, _), during, refused = asyncio.run(main())
     assert (status, body, during) == (200, b"0\n1\n2\n3\n", 1)
-    assert refused[0] == 503 and refused[3] == 0  # refused before its body was read
+    assert refused[0] == 503 and refused[3] == 0  # refused before its body was read (full already)
     assert refused[1][b"retry-after"] == b"1" and _error(refused[2])["code"] == "overloaded"
     assert admission.num_admitted == 0
     # A refused or failed request gives its place back too.
@@ -207,6 +207,27 @@ def test_a_generation_request_holds_its_place_until_its_response_ends():
     assert call(app, "POST", "/v1/completions", AUTH, [b"{}"])[0] == 400
     assert call(app, "POST", "/v1/completions", {}, OK_BODY)[0] == 401
     assert admission.num_admitted == 0 and call(app, "POST", "/v1/completions", AUTH, OK_BODY)[0] == 200
+
+
+def test_a_body_still_arriving_holds_no_place():
+    # a trial's 8 sockets that sent headers and no body held every place: 503s for 31 s
+    admission = Admission(limit=1)
+    app = make_app(body_timeout_s=0.5, admission=admission)
+
+    async def main():
+        stalled = asyncio.create_task(asyncio.to_thread(
+            call, app, "POST", "/v1/completions", AUTH, [b'{"text": '], stall=True))
+        await asyncio.sleep(0.1)  # its first part read, the rest never comes
+        during = admission.num_admitted
+        served = await asyncio.to_thread(call, app, "POST", "/v1/completions", AUTH, OK_BODY)
+        return await stalled, during, served
+
+    stalled, during, served = asyncio.run(main())
+    assert during == 0 and served[:3] == (200, served[1], b'{"length":2}')
+    assert stalled[0] == 408 and admission.num_admitted == 0
+    # the body arrived whole before the place was taken: the app reads it as sent, in one part
+    assert call(app, "POST", "/v1/completions", AUTH, [b'{"text": "ab', b'c"}'], content_length=False)[2] == \
+        b'{"length":3}'
 
 
 def test_head_meets_the_api_key_as_get_does():

@@ -94,7 +94,7 @@ def test_a_messages_name_reaches_the_chat_template():
     messages = [{"role": "user", "content": "Hi", "name": "ada"},
                 {"role": "assistant", "content": "Hello", "refusal": None}]
     request = ChatCompletionRequest.model_validate({**CHAT, "messages": messages})
-    assert request.engine_prompt()["messages"] == [{"role": "user", "content": "Hi", "name": "ada"},
+    assert request.engine_prompts()[0]["messages"] == [{"role": "user", "content": "Hi", "name": "ada"},
                                                    {"role": "assistant", "content": "Hello"}]
 
 
@@ -249,6 +249,65 @@ def test_legacy_top_logprobs_always_hold_the_sampled_token():
     chat.add(_output(entries))
     content = chat.response()["choices"][0]["logprobs"]["content"]
     assert [t["token"] for t in content[0]["top_logprobs"]] == ["t1"]
+
+
+def _prompt_output(num_prompt_tokens: int, num_cached_tokens: int, deltas: list[tuple[int, str, int]],
+                   prompt_text: str | None = None) -> dict:
+    """An engine record of one prompt: ``(index, text, number of tokens)`` per choice."""
+    output = {"replica_id": "r", "num_prompt_tokens": num_prompt_tokens, "num_cached_tokens": num_cached_tokens,
+              "finished": False, "error": None,
+              "outputs": [{"index": i, "text": text, "token_ids": list(range(num_tokens)), "finish_reason": None,
+                           "stop_reason": None, "logprobs": None} for i, text, num_tokens in deltas]}
+    if prompt_text is not None:
+        output["prompt_text"] = prompt_text
+    return output
+
+
+def test_a_batch_of_prompts_numbers_each_prompts_choices_after_the_previous_ones():
+    # vLLM's order: prompt j's n choices are j*n .. j*n + n-1; usage sums the prompts
+    formatter = ResponseFormatter(MODEL, 2, None, True, continuous_usage=True, num_prompts=3)
+    formatter.add(_prompt_output(5, 0, [(0, "a", 1), (1, "b", 2)], prompt_text="P0"), 0)
+    chunks = formatter.chunks(_prompt_output(7, 4, [(1, "c", 3)], prompt_text="P2"), False, 2)
+    formatter.add(_prompt_output(6, 0, [(0, "d", 1), (1, "e", 1)], prompt_text="P1"), 1)
+    (chunk,) = chunks
+    body = json.loads(chunk.removeprefix("data: "))
+    # choice 5 is prompt 2's second; its usage counts its own prompt and tokens (vLLM's per-choice usage)
+    assert body["choices"][0]["index"] == 5 and body["choices"][0]["text"] == "P2c"
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                             "prompt_tokens_details": {"cached_tokens": 4}}
+    response = formatter.response()
+    assert [(c["index"], c["text"]) for c in response["choices"]] == \
+        [(0, "P0a"), (1, "P0b"), (2, "P1d"), (3, "P1e"), (4, ""), (5, "P2c")]
+    assert response["usage"] == {"prompt_tokens": 18, "completion_tokens": 8, "total_tokens": 26,
+                                 "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+@pytest.mark.parametrize(("prompt", "expected"), [
+    ("hi", [{"prompt": "hi"}]),
+    ([1, 2], [{"prompt_token_ids": [1, 2]}]),
+    (["a", "b"], [{"prompt": "a"}, {"prompt": "b"}]),
+    ([[1], [2, 3]], [{"prompt_token_ids": [1]}, {"prompt_token_ids": [2, 3]}]),
+    ([], [{"prompt_token_ids": []}]),  # one empty prompt: the engine's 400 names it
+])
+def test_a_completions_prompt_is_one_prompt_or_a_batch(prompt, expected):
+    assert CompletionRequest.model_validate({**COMPLETION, "prompt": prompt}).engine_prompts() == expected
+
+
+def test_a_batch_is_at_most_128_choices_and_its_errors_name_the_prompt():
+    assert len(CompletionRequest.model_validate({**COMPLETION, "prompt": ["a"] * 32, "n": 4}).engine_prompts()) == 32
+    with pytest.raises(InvalidRequestError) as error:
+        CompletionRequest.model_validate({**COMPLETION, "prompt": ["a"] * 33, "n": 4}).engine_prompts()
+    assert (error.value.param, str(error.value)) == ("prompt", "prompt: a batch of 33 prompts x n (4) is 132 "
+                                                               "choices; at most 128")
+    batch = CompletionRequest.model_validate({**COMPLETION, "prompt": [[1, 2], [3, -1]]})
+    assert batch.client_param("prompt[1]: token id -1 is outside", "prompt[1]", 1) == \
+        ("prompt[1][1]: token id -1 is outside", "prompt[1][1]")
+    texts = CompletionRequest.model_validate({**COMPLETION, "prompt": ["a", "b" * 9000]})
+    assert texts.client_param("prompt (9000 tokens) + max_tokens", "prompt", 1) == \
+        ("prompt[1] (9000 tokens) + max_tokens", "prompt[1]")
+    one = CompletionRequest.model_validate({**COMPLETION, "prompt": "b" * 9000})  # not a batch: as the engine said
+    assert one.client_param("prompt (9000 tokens) + max_tokens", "prompt", 0) == \
+        ("prompt (9000 tokens) + max_tokens", "prompt")
 
 
 @pytest.mark.parametrize(("mode", "finish_reason"), [(ToolMode("named", "f"), "stop"),

@@ -23,7 +23,7 @@ def _effect(endpoint: str, body: dict) -> tuple:
     """Everything the ingress takes from a request: the engine's prompt and parameters, and
     the reply's shape."""
     request = MODELS[endpoint].model_validate(body)
-    return (request.model, request.engine_prompt(), request.sampling_params(), request.stream,
+    return (request.model, request.engine_prompts(), request.sampling_params(), request.stream,
             request.include_usage, request.num_logprobs(), getattr(request, "echo", False))
 
 

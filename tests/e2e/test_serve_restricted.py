@@ -1,6 +1,7 @@
 """The Serve configs validate; an app with an API key and small overload limits, over real
 HTTP on 127.0.0.1, bounded in count and time."""
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -143,6 +144,82 @@ def test_a_burst_over_capacity_is_refused_at_once_and_the_rest_completes(restric
           f"{refusal_seconds[-1]:.3f} s (p99 {p99:.3f} s)")
     assert p99 < 1.0, f"refusals took {refusal_seconds}"
     _assert_idle_soon(restricted)
+
+
+@contextlib.asynccontextmanager
+async def _long_streams(session, url: str, count: int, num_running: int = 2):
+    """``count`` streams of 500 tokens sent at once; yields once ``num_running`` of them run
+    (their first event read: the ingress sends no header before it) and the others had a
+    second to reach the engine's queue; all are closed on leaving."""
+    long = {"model": MODEL, "prompt": "Count:", "max_tokens": 500, "ignore_eos": True, "stream": True}
+
+    async def one():
+        response = await session.post(url + "/v1/completions", json=long)
+        assert response.status == 200 and (await response.content.readline()).startswith(b"data: {")
+        return response
+
+    tasks = [asyncio.create_task(one()) for _ in range(count)]
+    try:
+        done, pending = set(), set(tasks)
+        while len(done) < num_running:
+            finished, pending = await asyncio.wait(pending, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+            assert finished, "no stream started in 60 s"
+            done |= finished
+        await asyncio.sleep(1.0)
+        yield [task.result() for task in done]
+    finally:
+        for task in tasks:
+            task.cancel()
+            if task.done() and not task.cancelled() and task.exception() is None:
+                task.result().close()
+
+
+def test_a_full_engine_replica_still_answers_health_stats_and_metrics_at_once(restricted):
+    # Serve counts these control calls against the replica's max_ongoing_requests: they waited
+    # behind its generations (/health 503 after 5 s; /stats 9.7 s), before it kept places for them
+    async def main():
+        async with aiohttp.ClientSession(headers=AUTH, timeout=aiohttp.ClientTimeout(total=120)) as session:
+            async with _long_streams(session, restricted.url, 2 + 2):  # the whole capacity
+                answers = []
+                for path in ("/health", "/stats", "/metrics", "/health"):
+                    start = time.monotonic()
+                    async with session.get(restricted.url + path) as response:
+                        body = await response.text()
+                        answers.append((path, response.status, time.monotonic() - start, body))
+                return answers
+
+    answers = asyncio.run(main())
+    assert [(path, status) for path, status, _, _ in answers] == \
+        [("/health", 200), ("/stats", 200), ("/metrics", 200), ("/health", 200)], answers
+    assert max(seconds for _, _, seconds, _ in answers) < 2.0, answers
+    (stats,) = json.loads(answers[1][3])["replicas"]
+    assert (stats["num_running"], stats["num_waiting"]) == (2, 2)  # max_num_seqs, max_waiting_requests
+    _assert_idle_soon(restricted)
+
+
+def test_a_batch_of_prompts_takes_a_place_per_prompt(restricted):
+    # capacity 4: a batch of 4 runs; of 5 can never run (400); of 3 beside two streams must wait (503)
+    url = restricted.url + "/v1/completions"
+    batch = {"model": MODEL, "max_tokens": 2, "ignore_eos": True}
+    response = requests.post(url, json={**batch, "prompt": ["a", "b", "c", "d"]}, headers=AUTH, timeout=60)
+    assert response.status_code == 200 and [c["index"] for c in response.json()["choices"]] == [0, 1, 2, 3]
+    response = requests.post(url, json={**batch, "prompt": ["a"] * 5}, headers=AUTH, timeout=60)
+    assert (response.status_code, response.json()["error"]) == (400, {
+        "message": "prompt: a batch of 5 prompts is more than the 4 requests this service runs or queues at once "
+                   "(max_num_seqs + max_waiting_requests per engine replica)",
+        "type": "invalid_request_error", "param": "prompt", "code": None})
+
+    async def main():
+        async with aiohttp.ClientSession(headers=AUTH, timeout=aiohttp.ClientTimeout(total=120)) as session:
+            async with _long_streams(session, restricted.url, 2):
+                async with session.post(url, json={**batch, "prompt": ["a", "b", "c"]}) as refused:
+                    return refused.status, refused.headers.get("Retry-After"), await refused.json()
+
+    status, retry_after, body = asyncio.run(main())
+    assert (status, retry_after, body["error"]["code"]) == (503, "1", "overloaded")
+    _assert_idle_soon(restricted)
+    response = requests.post(url, json={**batch, "prompt": ["a", "b", "c", "d"]}, headers=AUTH, timeout=60)
+    assert response.status_code == 200  # every place came back
 
 
 def _assert_idle_soon(app, timeout: float = 10.0) -> None:
