@@ -142,7 +142,7 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     # Of a union's per-member errors, the deepest is the one about what the client meant, and
     # at one depth a member whose type matched (an empty array of parts) says more than the
     # other members' "should be a string".
-    errors = exc.errors()
+    errors = _first_in_each_array(exc.errors())
     # And of members that failed at one depth inside an array, the one that got further along
     # it ([1, "a"]: the array of integers at "a", not the array of strings at 1).
     first = max(errors, key=lambda e: (len(e.get("loc", ())), not _is_member_mismatch(e),
@@ -231,6 +231,28 @@ def json_kind(value) -> str:
         if isinstance(value, kind):
             return name
     return type(value).__name__
+
+
+def _first_in_each_array(errors: list) -> list:
+    """``errors`` without those of a union's array member past the first element it refused:
+    how far along the array a member got is where it first failed ([1.0, 2]: the array of
+    integers at 1.0, not the array of strings at 2, which it also refused)."""
+    located = [(error, *_array_member(error)) for error in errors]
+    first_index: dict[tuple, int] = {}
+    for _, member, index in located:
+        if member is not None:
+            first_index[member] = min(first_index.get(member, index), index)
+    return [error for error, member, index in located if member is None or index == first_index[member]]
+
+
+def _array_member(error: dict) -> tuple[tuple | None, int]:
+    """``(the location of the union member, the element index)`` where the error is inside
+    an array member of a union, else ``(None, 0)``."""
+    loc = tuple(error.get("loc", ()))
+    tag = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    if tag is None or tag + 1 >= len(loc) or not isinstance(loc[tag + 1], int):
+        return None, 0
+    return loc[: tag + 1], loc[tag + 1]
 
 
 def _is_type_mismatch(error: dict) -> bool:

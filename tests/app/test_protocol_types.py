@@ -172,6 +172,8 @@ def test_errors_about_a_union_field_name_it_in_jsons_words(body, param, message)
     (["a", 5], "prompt[1]", "prompt[1]: Input should be a valid string"),  # was prompt[0], the "a"
     ([1, "a"], "prompt[1]", "prompt[1]: Input should be a valid integer"),
     ([[1, 2], [3, "a"]], "prompt[1][1]", "prompt[1][1]: Input should be a valid integer"),
+    # a trial's: was "prompt[1]: Input should be a valid string", the array of strings' second refusal
+    ([1.0, 2], "prompt[0]", "prompt[0]: Input should be a valid integer"),
 ])
 def test_a_mixed_array_names_the_element_that_does_not_fit(prompt, param, message):
     with pytest.raises(pydantic.ValidationError) as info:
