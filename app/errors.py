@@ -41,13 +41,14 @@ class OpenAIError(Exception):
     """An HTTP error with OpenAI's fields."""
 
     def __init__(self, status_code: int, message: str, param: str | None = None,
-                 code: str | None = None, error_type: str | None = None) -> None:
+                 code: str | None = None, error_type: str | None = None, headers: dict | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.param = param
         self.code = code
         self.type = error_type or _TYPES.get(status_code, "internal_server_error")
+        self.headers = headers or {}  # the response's own (a 405's Allow)
 
     def body(self) -> dict:
         info = ErrorInfo(message=_cut(self.message, MAX_MESSAGE_CHARS), type=self.type,
@@ -58,12 +59,13 @@ class OpenAIError(Exception):
     def response(self) -> JSONResponse:
         """The envelope as a response: with ``Retry-After`` on 429 and 503, and with
         ``Connection: close`` on 408 and 413 (the guard's, sent with the body not read to its
-        end: the rest of it would be read as the next request; RFC 9110, 15.5.9 and 15.5.14)."""
-        headers = None
+        end: the rest of it would be read as the next request; RFC 9110, 15.5.9 and 15.5.14),
+        and the error's own ``headers``."""
+        headers = dict(self.headers)
         if self.status_code in (429, 503):
-            headers = {"Retry-After": RETRY_AFTER_S}
+            headers["Retry-After"] = RETRY_AFTER_S
         elif self.status_code in (408, 413):
-            headers = {"Connection": "close"}
+            headers["Connection"] = "close"
         return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
 
 
@@ -107,7 +109,9 @@ def from_http_exception(exc: StarletteHTTPException) -> OpenAIError:
         # e.g. "Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits"
         reason = str(exc.__cause__).split("; use sys.set_int_max_str_digits", 1)[0]
         return OpenAIError(400, f"the body could not be parsed as JSON: {reason}")
-    return OpenAIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code))
+    # Starlette's 405 carries Allow, which RFC 9110 (15.5.6) requires
+    return OpenAIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code),
+                       headers=dict(exc.headers or {}))
 
 
 def client_closed(when: str) -> OpenAIError:

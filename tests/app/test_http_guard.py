@@ -230,6 +230,13 @@ def test_a_body_still_arriving_holds_no_place():
         b'{"length":3}'
 
 
+def test_a_405_says_which_methods_the_route_takes():
+    # RFC 9110, 15.5.6: a 405 has Allow; the envelope dropped Starlette's (a trial's finding)
+    for method, path, allowed in (("POST", "/health", b"GET"), ("GET", "/v1/completions", b"POST")):
+        status, headers, body, _ = call(make_app(), method, path, AUTH)
+        assert (status, headers[b"allow"], _error(body)["message"]) == (405, allowed, "Method Not Allowed")
+
+
 def test_head_meets_the_api_key_as_get_does():
     app = make_app(all_rules=True)
     assert call(app, "HEAD", "/health")[:3:2] == (200, b"")  # open, as GET /health
