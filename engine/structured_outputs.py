@@ -218,23 +218,54 @@ _QUANTIFIER_START = frozenset("*+?{")
 
 def unenforced_regex_part(pattern: str) -> str | None:
     """The first part of a regular expression that xgrammar compiles but does not enforce
-    (a string it generates may not match), or ``None``: a lookahead ``(?=`` / ``(?!`` (in a JSON schema's ``pattern`` it is
-    dropped: ``^(?=b)a+$`` let ``"a"`` through), a lookbehind ``(?<=`` / ``(?<!``, a ``^``
-    that is not at the start of the match or a ``$`` not at its end (``a$b`` and ``^a^b``
-    generated ``"ab"``, which neither matches), or a quantifier on an anchor or on a group
-    holding one. Anchors at the start of the whole pattern, of its alternatives or of groups
-    that themselves start it (``^a|^b``, ``(^a)``; mirrored for ``$``) are enforced.
+    (a string it generates may not match), or ``None``:
+
+    - a lookahead ``(?=`` / ``(?!`` (dropped from a JSON schema's ``pattern``: ``^(?=b)a+$``
+      let ``"a"`` through) or a lookbehind;
+    - a ``^`` that is not at the start of the match or a ``$`` not at its end (``a$b`` and
+      ``^a^b`` generated ``"ab"``), or a quantifier on an anchor or on a group holding one;
+      anchors at the start of the pattern, of its alternatives or of groups that themselves
+      start it (``^a|^b``, ``(^a)``; mirrored for ``$``) are enforced;
+    - a class ``[]...`` or ``[^]...`` (xgrammar, as ECMA, ends the class at that ``]``; Python
+      takes it as a character), a class starting ``[\\^`` (xgrammar's regex reads it as
+      ``[^``), and an escape of a ``LITERAL_ESCAPE_LETTERS`` letter (``\\A``: the letter).
+
     Measured on xgrammar in tests/engine/test_structured_outputs.py.
     """
     tokens = _regex_tokens(pattern)
     for token, _ in tokens:
         if token in ("(?=", "(?!", "(?<=", "(?<!"):
             return f"the lookaround {token!r}"
+        if token in ("[]", "[^]"):
+            return f"the class '{token}' (Python reads its ']' as a character, xgrammar as its end: write '\\]')"
+        if token.startswith("[\\^"):
+            return f"the class '{token}' (xgrammar's regex reads '[\\^' as '[^', a negated class: put '^' later)"
+        escape = _literal_escape(token)
+        if escape is not None:
+            return f"the escape '{escape}' (xgrammar matches the letter '{escape[1]}' itself)"
     mirrored = [(token, _MIRRORED.get(kind, kind)) for token, kind in reversed(tokens)]
     return _misplaced_anchor("^", tokens) or _misplaced_anchor("$", mirrored) or _quantified_anchor(tokens)
 
 
 _MIRRORED = {"open": "close", "close": "open"}
+# Letters whose escape xgrammar 0.2 matches as the letter itself ("\A" matches "A"; Python
+# gives them a meaning or refuses them), in a class too; measured in
+# tests/engine/test_structured_outputs.py.
+LITERAL_ESCAPE_LETTERS = "ghijlmoqyzACEFGHIJKLMNOQRTUVXYZ"
+
+
+def _literal_escape(token: str) -> str | None:
+    """The first escape in ``token`` (an escape, or a class) of a ``LITERAL_ESCAPE_LETTERS``
+    letter, or ``None``."""
+    i = 0
+    while i < len(token) - 1:
+        if token[i] == "\\":
+            if token[i + 1] in LITERAL_ESCAPE_LETTERS:
+                return token[i:i + 2]
+            i += 2
+        else:
+            i += 1
+    return None
 
 
 def _regex_tokens(pattern: str) -> list[tuple[str, str]]:
@@ -248,8 +279,7 @@ def _regex_tokens(pattern: str) -> list[tuple[str, str]]:
             tokens.append((pattern[i:i + 2], "atom"))
             i += 2
         elif char == "[":
-            j = i + 1 + (pattern[i + 1:i + 2] == "^")
-            j += pattern[j:j + 1] == "]"  # a "]" first in a class is a character
+            j = i + 1 + (pattern[i + 1:i + 2] == "^")  # a "]" next closes it, as xgrammar and ECMA read it
             while j < len(pattern) and pattern[j] != "]":
                 j += 2 if pattern[j] == "\\" else 1
             tokens.append((pattern[i:j + 1], "atom"))

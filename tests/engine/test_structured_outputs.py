@@ -264,6 +264,42 @@ def test_a_schema_its_metaschema_refuses_is_refused(schema, message):
     check_enforceable({"$schema": "https://example.com/unknown", "type": "integer"})  # an unknown draft: 2020-12's
 
 
+@pytest.mark.parametrize("regex, text, message", [
+    ("a$b", "ab", "'$' inside the match"),
+    ("[\\^$]x", "\nx", "the class '[\\^$]' (xgrammar's regex reads '[\\^' as '[^'"),  # a second trial's
+    ("[^]$a]", "\na]", "the class '[^]'"),
+    ("\\Aab", "Aab", "the escape '\\A' (xgrammar matches the letter 'A' itself)"),
+])
+def test_a_regex_part_xgrammar_does_not_enforce_is_refused(regex, text, message):
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+    assert _is_grammar_accept_string(xgr.Grammar.from_regex(regex), text)  # what was generated before
+    assert re.fullmatch(regex, text) is None
+    with pytest.raises(ValueError, match=re.escape(f"structured_outputs.regex: {message}")) as info:
+        grammar_of(StructuredOutputsParams(regex=regex))
+    assert info.value.param == "structured_outputs.regex"
+
+
+def test_the_escapes_xgrammar_takes_as_their_letter_are_those_listed():
+    import string
+
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from engine.structured_outputs import LITERAL_ESCAPE_LETTERS
+    literal = []
+    for letter in string.ascii_letters:
+        try:
+            grammar = xgr.Grammar.from_regex("\\" + letter)
+        except RuntimeError:  # refused by xgrammar itself: a 400 already
+            continue
+        other = "r" if letter == "q" else "q"
+        if _is_grammar_accept_string(grammar, letter) and not _is_grammar_accept_string(grammar, other):
+            literal.append(letter)
+    assert "".join(literal) == "".join(sorted(LITERAL_ESCAPE_LETTERS, key=string.ascii_letters.index))
+    grammar_of(StructuredOutputsParams(regex="\\d\\w\\s\\D\\W\\S\\n\\t[\\d\\]]"))  # classes and escapes it knows
+
+
 def test_a_regex_with_an_anchor_inside_the_match_is_refused():
     import xgrammar as xgr
     from xgrammar.testing import _is_grammar_accept_string
@@ -341,6 +377,9 @@ NOT_ENFORCED = [
      "'^' inside the match in \"pattern\" at #/propertyNames"),
     ({"type": "object", "patternProperties": {"a$b": {"type": "integer"}}, "additionalProperties": False},
      {"ab": 1}, "'$' inside the match in the patternProperties name \"a$b\" at #"),
+    # a second trial's: a class's "]" right after "[^", and an escape xgrammar takes as its letter
+    ({"type": "string", "pattern": "^[^]a]$"}, "1a]", "the class '[^]' (Python reads its ']' as a character"),
+    ({"type": "string", "pattern": "\\Aab$"}, "Aab", "the escape '\\A' (xgrammar matches the letter 'A' itself)"),
 ]
 
 
