@@ -89,7 +89,8 @@ class EngineServer:
         threading.Thread(target=self._record_stats, name="engine-metrics", daemon=True).start()
 
     async def generate(self, prompt: dict, params: SamplingParams, request_id: str | None = None,
-                       echo: bool = False, stream: bool = True) -> AsyncIterator[EngineOutput | Rejection]:
+                       echo: bool = False, stream: bool = True,
+                       announce_added: bool = False) -> AsyncIterator[EngineOutput | Rejection | dict]:
         """Stream a request's outputs as dicts (see ``output_to_dict``), or one ``Rejection``.
 
         A request that can never be served, or that finds the waiting queue full, gets a
@@ -103,6 +104,10 @@ class EngineServer:
             params: sampling parameters; outputs are deltas.
             request_id: defaults to a random id.
             echo: the first record carries the prompt's text (``prompt_text``).
+            announce_added: the first record is ``{"added": True, "replica_id": ...}`` once
+                the engine has accepted the request, before its first output (a completions
+                batch's streams start together: each prompt is known good without waiting
+                for its first token, which may wait for a free place in the batch).
             stream: ``True``: a record per engine output (what one step, or several steps
                 where this replica is behind the engine, added); ``False``: one record with
                 the whole result, so that a non-streaming request crosses Ray once, not once
@@ -128,25 +133,28 @@ class EngineServer:
             return
         self._num_in_flight += 1
         try:
-            async for item in self._generate(prompt, params, request_id, echo, stream):
+            async for item in self._generate(prompt, params, request_id, echo, stream, announce_added):
                 yield item
         finally:
             self._num_in_flight -= 1
 
-    async def _generate(self, prompt: dict, params: SamplingParams, request_id: str | None,
-                        echo: bool, stream: bool) -> AsyncIterator[EngineOutput | Rejection]:
+    async def _generate(self, prompt: dict, params: SamplingParams, request_id: str | None, echo: bool,
+                        stream: bool, announce_added: bool) -> AsyncIterator[EngineOutput | Rejection | dict]:
         start = time.perf_counter()
         timing = _Timing(start, self.latencies)
         num_output_tokens, finish_reasons, num_prompt_tokens = 0, [], 0
         rejected = completed = False
         try:
-            async with contextlib.aclosing(self._outputs(prompt, params, request_id)) as outputs:
+            async with contextlib.aclosing(self._outputs(prompt, params, request_id, announce_added)) as outputs:
                 try:
                     first = await anext(outputs)
                 except ValueError as exc:  # the engine's "can never be served as sent"
                     rejected = True
                     yield rejection(exc)
                     return
+                if first is None:  # accepted (announce_added)
+                    yield {"added": True, "replica_id": self.replica_id}
+                    first = await anext(outputs)
                 joined = JoinedOutputs()  # not streamed: everything so far not yet sent
                 sent_any = False
                 source = _prepend(first, outputs)
@@ -180,12 +188,12 @@ class EngineServer:
                 self._record_request(num_prompt_tokens, num_output_tokens, ttft, time.perf_counter() - start,
                                      finish_reasons)
 
-    async def _outputs(self, prompt: dict, params: SamplingParams,
-                       request_id: str | None) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, prompt: dict, params: SamplingParams, request_id: str | None,
+                       announce_added: bool = False) -> AsyncIterator[RequestOutput | None]:
         if "messages" in prompt:
             options = dict(prompt)
             prompt = await self.llm.chat_prompt(options.pop("messages"), **options)
-        async with contextlib.aclosing(self.llm.generate(prompt, params, request_id)) as outputs:
+        async with contextlib.aclosing(self.llm.generate(prompt, params, request_id, announce_added)) as outputs:
             async for output in outputs:
                 yield output
 

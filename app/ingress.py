@@ -240,7 +240,15 @@ class OpenAIIngress:
             raise OpenAIError(400, f"prompt: a batch of {num_prompts} prompts is more than the "
                               f"{self.admission.limit} requests this service runs or queues at once "
                               "(max_num_seqs + max_waiting_requests per engine replica)", param="prompt")
-        return self.admission.admit(num_prompts - 1)
+        try:
+            return self.admission.admit(num_prompts - 1)
+        except OpenAIError as error:  # say what the batch needs, not only the bound
+            free = self.admission.limit - self.admission.num_admitted + 1  # this request's own place
+            error.message = (f"the service is overloaded: a batch of {num_prompts} prompts needs {num_prompts} of the "
+                             f"{self.admission.limit} places for requests running or waiting (max_num_seqs + "
+                             f"max_waiting_requests per engine replica) and {free} are free; retry later")
+            raise
+
 
     @fastapi_app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
@@ -392,9 +400,14 @@ class OpenAIIngress:
     async def _respond(self, request: Request, body: SamplingRequest, prompts: list[dict], params: SamplingParams,
                        formatter: ResponseFormatter, prompt_param: str = "prompt", echo: bool = False):
         """One engine request per prompt (a completions batch has several, run together,
-        each routed by itself); no header before every prompt's first record, so that a
-        refused prompt gets its 4xx, not a broken stream."""
-        calls = [_EngineCall(self.engine_stream.generate.remote(prompt, params, uuid.uuid4().hex, echo, body.stream))
+        each routed by itself); no header before every prompt's first record (its first
+        output; a streamed batch's prompts announce their acceptance), so that a refused
+        prompt gets its 4xx, not a broken stream."""
+        # a streamed batch's prompts each answer once accepted, so that its stream starts at
+        # once, not when the last prompt gets a place in the batch
+        announce_added = body.stream and len(prompts) > 1
+        calls = [_EngineCall(self.engine_stream.generate.remote(prompt, params, uuid.uuid4().hex, echo, body.stream,
+                                                                announce_added))
                  for prompt in prompts]
         try:
             if len(calls) == 1:  # accepted, or the engine's 4xx, before any header
@@ -441,6 +454,8 @@ class OpenAIIngress:
         num_events = 0
         try:
             for index, first in enumerate(firsts):
+                if "added" in first:  # accepted, no output yet (announce_added)
+                    continue
                 for chunk in formatter.chunks(first, True, index):
                     num_events += 1
                     yield chunk

@@ -53,8 +53,10 @@ class AsyncLLM:
     # ---- caller side ---------------------------------------------------------------------
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs until it finishes.
+                       request_id: str | None = None,
+                       announce_added: bool = False) -> AsyncIterator[RequestOutput | None]:
+        """Add a request and yield its outputs until it finishes; with ``announce_added``,
+        first ``None`` once the engine has accepted it (checked and queued), before any output.
 
         With the default ``sampling_params`` each output is a delta: the text and token ids
         that step added. A caller slower than the step loop gets what several steps added as
@@ -82,6 +84,8 @@ class AsyncLLM:
         try:
             self._send(("add", request_id, prompt, params, added))
             await asyncio.wrap_future(added)
+            if announce_added:
+                yield None
             while not finished:
                 item, pending = (await stream.get() if pending is None else pending), None
                 if isinstance(item, BaseException):

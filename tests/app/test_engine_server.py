@@ -43,6 +43,23 @@ def test_a_non_streaming_request_is_one_record_with_the_streamed_result(server):
     assert server.llm.stats()["num_running"] == 0
 
 
+def test_a_request_that_announces_its_acceptance_does_so_first_and_only_when_accepted(server):
+    # a streamed completions batch: each prompt's stream starts once it is accepted
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def main(prompt):
+        return [record async for record in server.generate(prompt, params, echo=True, stream=True,
+                                                            announce_added=True)]
+
+    added, *outputs = asyncio.run(main(PROMPT))
+    assert added == {"added": True, "replica_id": server.replica_id}
+    assert outputs[0]["prompt_text"] == PROMPT["prompt"]  # the first output still carries the echo
+    assert sum(len(r["outputs"][0]["token_ids"]) for r in outputs) == 4 and outputs[-1]["finished"]
+    (refused,) = asyncio.run(main({"prompt_token_ids": [1, 10**6]}))  # never accepted: only its 400
+    assert (refused["status_code"], refused["param"]) == (400, "prompt[1]")
+    assert server.llm.stats()["num_running"] == 0
+
+
 def test_stream_batching_merges_what_comes_within_the_window(server, monkeypatch):
     """``stream_batching_interval_ms`` (Ray Serve LLM's name): the first output at once, later
     ones merged until the window since the last record is over, or the request finishes. With

@@ -217,9 +217,34 @@ def test_a_batch_of_prompts_takes_a_place_per_prompt(restricted):
 
     status, retry_after, body = asyncio.run(main())
     assert (status, retry_after, body["error"]["code"]) == (503, "1", "overloaded")
+    assert body["error"]["message"] == ("the service is overloaded: a batch of 3 prompts needs 3 of the 4 places for "
+                                        "requests running or waiting (max_num_seqs + max_waiting_requests per engine "
+                                        "replica) and 2 are free; retry later")
     _assert_idle_soon(restricted)
     response = requests.post(url, json={**batch, "prompt": ["a", "b", "c", "d"]}, headers=AUTH, timeout=60)
     assert response.status_code == 200  # every place came back
+
+
+def test_a_streamed_batch_starts_before_its_last_prompt_runs(restricted):
+    # max_num_seqs 2: of a batch of 4, two wait for a place; the stream started only once they
+    # ran (a second trial: 7.0 s to the first event for 5 prompts over 4 places, not 0.05 s)
+    body = {"model": MODEL, "prompt": ["a", "b", "c", "d"], "max_tokens": 200, "ignore_eos": True, "stream": True}
+
+    async def main():
+        async with aiohttp.ClientSession(headers=AUTH, timeout=aiohttp.ClientTimeout(total=120)) as session:
+            async with session.post(restricted.url + "/v1/completions", json=body) as response:
+                first = await response.content.readline()
+                async with session.get(restricted.url + "/stats") as stats:
+                    (replica,) = (await stats.json())["replicas"]
+                rest = (await response.read()).decode()
+        return response.status, first, replica, rest
+
+    status, first, replica, rest = asyncio.run(main())
+    assert status == 200 and first.startswith(b"data: {")
+    assert (replica["num_running"], replica["num_waiting"]) == (2, 2)
+    choices = [json.loads(line[6:])["choices"] for line in rest.splitlines() if line.startswith("data: {")]
+    assert {c["index"] for chunk in choices for c in chunk} == {0, 1, 2, 3} and rest.rstrip().endswith("[DONE]")
+    _assert_idle_soon(restricted)
 
 
 def _assert_idle_soon(app, timeout: float = 10.0) -> None:
