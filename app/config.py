@@ -30,6 +30,8 @@ OTHER_SETTINGS = {
     "MINI_INFER_CPU_PREFETCH": "kernels.cpu_settings: the decode kernel's prefetch level",
     "MINI_INFER_DEBUG_CHECKS": "engine.block_manager: check the block pool after every change",
     "MINI_INFER_FIT_THREADS": "engine.threads: fit torch's threads to the free CPUs",
+    "MINI_INFER_SHUTDOWN_TIMEOUT_S": "scripts/serve_run.py: how long a stop waits for requests in flight",
+    "MINI_INFER_DRAIN_FILE": "app.http_guard: the file whose presence means the service is stopping",
     **{f"MINI_INFER_LOAD_{name}": "loadtest: the Locust load test's settings"
        for name in ("MODEL", "MIX", "OUTPUT", "MAX_MODEL_LEN", "CHAT_TURNS", "CHAT_OUTPUT")},
 }

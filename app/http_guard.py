@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 from collections.abc import Awaitable, Callable
 
 from starlette.datastructures import Headers
@@ -35,7 +36,8 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 class RequestGuard:
     """ASGI middleware: 401 without the API key, 400 for a body not sent as JSON
-    (``check_json_body``), 503 for a generation request while the engine replicas are full,
+    (``check_json_body``), 503 for a generation request while the service is stopping
+    (``check_not_draining``) or the engine replicas are full,
     413 for a body over the limit, 408 for a body that stops arriving; each in OpenAI's error
     envelope, the first three before the body is read (413 from ``Content-Length``; for a
     chunked body, as soon as the bytes read pass the limit).
@@ -71,6 +73,7 @@ class RequestGuard:
                 self._authorize(scope, headers)
                 check_json_body(headers)
                 if scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
+                    check_not_draining()
                     self.admission.check()  # full: refused at once, before the body is read
                     if has_body(headers):
                         receive = await self._read_body(headers, receive)
@@ -156,6 +159,21 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replayed_receive
+
+
+def draining() -> bool:
+    """Whether the service is stopping: ``MINI_INFER_DRAIN_FILE`` (which ``make run``'s
+    ``scripts/serve_run.py`` sets, and creates on its first SIGTERM or Ctrl-C) exists."""
+    path = os.environ.get("MINI_INFER_DRAIN_FILE")
+    return bool(path) and os.path.exists(path)
+
+
+def check_not_draining() -> None:
+    """Raises: OpenAIError: 503 ``shutting_down`` (with ``Retry-After``) while ``draining()``:
+    the requests in flight finish, new ones go elsewhere or wait for the restart."""
+    if draining():
+        raise OpenAIError(503, "the service is shutting down: it finishes the requests in flight and takes no "
+                          "new ones; retry later", code="shutting_down")
 
 
 def check_json_body(headers: Headers) -> None:

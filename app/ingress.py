@@ -32,6 +32,7 @@ from app.errors import (
     log_error,
     sse_error,
 )
+from app.http_guard import check_not_draining
 from app.metrics import HttpMetrics, render
 from app.middleware import install_middleware
 from app.openai_format import DONE, ChatFormatter, ResponseFormatter
@@ -365,6 +366,7 @@ class OpenAIIngress:
     async def _check_ready(self) -> dict:
         params = SamplingParams(temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.DELTA)
         try:
+            check_not_draining()  # stopping: a load balancer should send no more
             await self._health()  # at once while no engine replica runs (else the call waits)
             async for record in self.engine_stream.generate.remote({"prompt_token_ids": [0]}, params):
                 if "status_code" in record:  # a Rejection: the engine refused it (overloaded)

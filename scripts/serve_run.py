@@ -6,7 +6,10 @@ Ray's driver (the ``serve run`` process) answers SIGTERM with a C++ stack dump a
 without shutting Serve down; only SIGINT takes ``serve run``'s own path (``serve.shutdown()``,
 then Ray's). This runs ``serve run`` in a session of its own and turns every SIGTERM or SIGINT
 it receives into one SIGINT for ``serve run``; so a terminal's Ctrl-C also reaches only the
-driver, not Ray's processes, which the driver stops in order. Exits with ``serve run``'s
+driver, not Ray's processes, which the driver stops in order. For ``app:deployment``
+(``make run``) the first signal first drains (``drain``): the service takes no new requests
+and the ones in flight finish, for up to ``MINI_INFER_SHUTDOWN_TIMEOUT_S`` seconds; a second
+signal stops at once. Exits with ``serve run``'s
 status, or 2 where ``check_settings`` finds a ``MINI_INFER_*`` setting invalid or port 8000
 is taken (``check_http_port``). Standard library
 only: it starts in a blink and imports neither Ray nor torch.
@@ -50,6 +53,7 @@ between Serve's processes".
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -57,6 +61,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
 
 # AppConfig.load() in a Python of its own, app/config.py loaded without the app package (which
 # imports Ray): each invalid setting one line on stderr naming its variable, exit status 2.
@@ -230,8 +237,71 @@ def check_settings(argv: list[str]) -> bool:
         return True
 
 
+# Seconds a stop waits for the requests in flight to finish (Ray Serve's own
+# graceful_shutdown_timeout_s default); 0: stop at once.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
+
+
+def in_flight(url: str, api_key: str | None) -> int | None:
+    """Requests running or waiting in the engine replicas, from ``GET <url>/stats``; ``None``
+    where the service does not answer (not started, or gone)."""
+    request = urllib.request.Request(url + "/stats", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=2) as response:
+            replicas = json.load(response)["replicas"]
+        return sum(r["num_running"] + r["num_waiting"] for r in replicas)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def drain(url: str, api_key: str | None, drain_file: str, timeout_s: float,
+          stop_now: Callable[[], bool]) -> None:
+    """Stop taking requests and wait, up to ``timeout_s``, for those in flight to finish.
+
+    Creates ``drain_file``: the ingress then refuses new generation requests (503
+    ``shutting_down``) and ``/ready`` answers 503, while the requests in flight run to their
+    end. Returns once none is left (and half a second for their last bytes), after
+    ``timeout_s``, when ``stop_now()`` (a second signal), or at once where the service does
+    not answer.
+    """
+    with open(drain_file, "w"):
+        pass
+    deadline, waited = time.monotonic() + timeout_s, False
+    while not stop_now():
+        count = in_flight(url, api_key)
+        if not count:
+            break
+        if not waited:
+            print(f"serve_run: stopping: waiting up to {timeout_s:g} s for {count} requests in flight to finish "
+                  "(MINI_INFER_SHUTDOWN_TIMEOUT_S); send the signal again to stop now", file=sys.stderr)
+            waited = True
+        if time.monotonic() >= deadline:
+            print(f"serve_run: stopping with {count} requests still in flight", file=sys.stderr)
+            return
+        time.sleep(0.2)
+    if waited and not stop_now():
+        time.sleep(0.5)  # for their last events to reach the clients
+
+
+def shutdown_timeout_s(env: dict[str, str]) -> float | None:
+    """``MINI_INFER_SHUTDOWN_TIMEOUT_S`` (seconds >= 0, ``DEFAULT_SHUTDOWN_TIMEOUT_S`` where
+    unset); ``None``, with one line on stderr, where it is not such a number."""
+    value = env.get("MINI_INFER_SHUTDOWN_TIMEOUT_S")
+    if value is None:
+        return DEFAULT_SHUTDOWN_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        print(f"MINI_INFER_SHUTDOWN_TIMEOUT_S={value!r}: must be a number of seconds >= 0", file=sys.stderr)
+        return None
+    return seconds
+
+
 def main(argv: list[str]) -> int:
-    if not check_settings(argv) or not check_http_port(argv):
+    timeout_s = shutdown_timeout_s(os.environ)
+    if timeout_s is None or not check_settings(argv) or not check_http_port(argv):
         return 2
     serve = os.path.join(os.path.dirname(sys.executable), "serve")
     # A process started in the background by a non-interactive shell (`make run &`) inherits
@@ -247,10 +317,20 @@ def main(argv: list[str]) -> int:
         env.update(haproxy_files_env(env, haproxy_folder))
         env.update(free_ports_env(env))
         env.update(haproxy_bufsize_env(env))
+    run_folder = tempfile.mkdtemp(prefix="mini-infer-run-")  # mode 0700: the drain flag's
+    env.setdefault("MINI_INFER_DRAIN_FILE", os.path.join(run_folder, "draining"))
+    signals = 0  # received so far: the first drains (for the app this wrapper serves), a second stops at once
     try:
         child = subprocess.Popen([serve, "run", *argv], env=env, start_new_session=True)
 
         def stop(signum, frame) -> None:
+            nonlocal signals
+            signals += 1
+            if signals == 1 and timeout_s > 0 and argv and argv[0] == "app:deployment":
+                drain(f"http://127.0.0.1:{SERVE_HTTP_PORT}", env.get("MINI_INFER_API_KEY"),
+                      env["MINI_INFER_DRAIN_FILE"], timeout_s, stop_now=lambda: signals > 1)
+                if signals > 1:  # the second signal's handler has sent serve run its SIGINT
+                    return
             if child.poll() is None:
                 child.send_signal(signal.SIGINT)
 
@@ -258,6 +338,7 @@ def main(argv: list[str]) -> int:
         signal.signal(signal.SIGINT, stop)
         return child.wait()  # retried after each handler (PEP 475)
     finally:
+        shutil.rmtree(run_folder, ignore_errors=True)
         if haproxy_folder is not None:
             shutil.rmtree(haproxy_folder, ignore_errors=True)
 

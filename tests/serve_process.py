@@ -29,7 +29,8 @@ class ServeProcess:
                  num_engine_replicas: int = 1, api_key: str | None = None) -> None:
         self.command = command
         self.num_engine_replicas = num_engine_replicas
-        self.env = {**os.environ, **(env or {})}
+        # a stop waits this long at most for requests a test left running (scripts/serve_run.py)
+        self.env = {**os.environ, "MINI_INFER_SHUTDOWN_TIMEOUT_S": "5", **(env or {})}
         self.timeout = timeout
         self.url = BASE_URL
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -72,7 +73,7 @@ class ServeProcess:
         family = _family(self.process.pid)
         try:
             os.killpg(self.process.pid, signal.SIGINT)  # serve run shuts Serve and Ray down
-            self.process.wait(timeout=30)
+            self.process.wait(timeout=45)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
         for proc in family:  # anything Ray left behind

@@ -211,3 +211,60 @@ def test_haproxys_buffer_holds_the_largest_request_body_the_app_accepts():
     assert bufsize({"MINI_INFER_MAX_REQUEST_BODY_BYTES": "100000", "MINI_INFER_MAX_MODEL_LEN": "4096"}) == (
         100000 + 2**16)
     assert wrapper.haproxy_bufsize_env({"RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "16384"}) == {}  # the user's own
+
+
+def test_a_stop_waits_for_the_requests_in_flight_then_goes_on(tmp_path, capsys):
+    """The first SIGTERM or Ctrl-C creates the drain flag and waits while /stats counts
+    requests running or waiting, up to the timeout; a second signal, or a service that does
+    not answer, ends the wait at once."""
+    import http.server
+    import json
+    import threading
+    import time
+
+    wrapper = _wrapper_module()
+    counts = [2, 1, 0]
+    seen_keys = []
+
+    class Stats(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen_keys.append(self.headers.get("Authorization"))
+            count = counts.pop(0) if len(counts) > 1 else counts[0]
+            body = json.dumps({"replicas": [{"num_running": count, "num_waiting": 0}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Stats)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    flag = tmp_path / "draining"
+    try:
+        start = time.monotonic()
+        wrapper.drain(url, "k", str(flag), timeout_s=20, stop_now=lambda: False)
+        assert flag.exists() and 0.9 < time.monotonic() - start < 5  # 2 polls 0.2 s apart, then 0.5 s
+        assert seen_keys == ["Bearer k"] * 3
+        assert capsys.readouterr().err == ("serve_run: stopping: waiting up to 20 s for 2 requests in flight to "
+                                           "finish (MINI_INFER_SHUTDOWN_TIMEOUT_S); send the signal again to stop "
+                                           "now\n")
+        counts[:] = [5]  # never done: the timeout ends the wait
+        start = time.monotonic()
+        wrapper.drain(url, None, str(flag), timeout_s=0.5, stop_now=lambda: False)
+        assert 0.4 < time.monotonic() - start < 3
+        assert capsys.readouterr().err.endswith("serve_run: stopping with 5 requests still in flight\n")
+        start = time.monotonic()
+        wrapper.drain(url, None, str(flag), timeout_s=20, stop_now=lambda: True)  # a second signal
+        assert time.monotonic() - start < 0.5
+    finally:
+        server.shutdown()
+    start = time.monotonic()
+    wrapper.drain(url, None, str(flag), timeout_s=20, stop_now=lambda: False)  # nothing answers
+    assert time.monotonic() - start < 3
+    assert wrapper.shutdown_timeout_s({}) == 20
+    assert wrapper.shutdown_timeout_s({"MINI_INFER_SHUTDOWN_TIMEOUT_S": "0"}) == 0
+    assert wrapper.shutdown_timeout_s({"MINI_INFER_SHUTDOWN_TIMEOUT_S": "soon"}) is None
+    assert capsys.readouterr().err.endswith("MINI_INFER_SHUTDOWN_TIMEOUT_S='soon': must be a number of seconds >= 0\n")

@@ -237,6 +237,20 @@ def test_a_405_says_which_methods_the_route_takes():
         assert (status, headers[b"allow"], _error(body)["message"]) == (405, allowed, "Method Not Allowed")
 
 
+def test_a_stopping_service_refuses_new_generation_requests_only(tmp_path, monkeypatch):
+    flag = tmp_path / "draining"
+    monkeypatch.setenv("MINI_INFER_DRAIN_FILE", str(flag))
+    app = make_app()
+    assert call(app, "POST", "/v1/completions", AUTH, OK_BODY)[0] == 200
+    flag.touch()  # scripts/serve_run.py's first SIGTERM or Ctrl-C
+    status, headers, body, num_read = call(app, "POST", "/v1/completions", AUTH, OK_BODY)
+    assert (status, num_read, headers[b"retry-after"]) == (503, 0, b"1")
+    assert _error(body) == {"message": "the service is shutting down: it finishes the requests in flight and takes "
+                                       "no new ones; retry later",
+                            "type": "service_unavailable_error", "param": None, "code": "shutting_down"}
+    assert call(app, "GET", "/stats", AUTH)[0] == 200  # the operational routes still answer
+
+
 def test_head_meets_the_api_key_as_get_does():
     app = make_app(all_rules=True)
     assert call(app, "HEAD", "/health")[:3:2] == (200, b"")  # open, as GET /health

@@ -30,3 +30,42 @@ def test_make_run_stops_cleanly(how):
     assert "Got KeyboardInterrupt, shutting down" in log, log[-3000:]
     assert [mark for mark in UNCLEAN if mark in log] == [], log[-3000:]
     assert alive == [], [str(p) for p in alive]
+
+
+@pytest.mark.slow
+def test_a_stop_lets_the_requests_in_flight_finish_and_refuses_new_ones():
+    """SIGTERM to make run (what a process manager sends): a stream in flight runs to its
+    [DONE], a new request gets 503 shutting_down, /ready 503, then the service stops. It cut
+    the stream without an error event or [DONE] before."""
+    import json
+    import time
+
+    import requests
+
+    with ServeProcess(["make", "run"], env={"MINI_INFER_ENFORCE_EAGER": "1", "MINI_INFER_KV_CACHE_MEMORY_GB": "0.25",
+                                            "MINI_INFER_SHUTDOWN_TIMEOUT_S": "60"}) as app:
+        body = {"model": "smollm2-135m-instruct", "prompt": "Count:", "max_tokens": 300, "ignore_eos": True,
+                "stream": True}
+        lines = []
+        with requests.post(app.url + "/v1/completions", json=body, stream=True, timeout=120) as stream:
+            events = stream.iter_lines()
+            lines.append(next(events))  # running
+            stopped_at = time.monotonic()
+            os.kill(app.process.pid, signal.SIGTERM)
+            time.sleep(1.5)  # the flag is up, and /ready's cached answer (1 s) has expired
+            refused = requests.post(app.url + "/v1/completions", timeout=30,
+                                    json={"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 2})
+            ready = requests.get(app.url + "/ready", timeout=30)
+            lines += list(events)
+        finished_at = time.monotonic()
+        app.process.wait(timeout=120)
+        log = app.log_path.read_text(errors="replace")
+    lines = [line for line in lines if line]  # (events end with an empty line)
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
+    assert lines[-1] == b"data: [DONE]" and sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 0
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert (refused.status_code, refused.json()["error"]["code"]) == (503, "shutting_down")
+    assert (ready.status_code, ready.json()["error"]["code"]) == (503, "not_ready")
+    assert "serve_run: stopping: waiting up to 60 s for 1 requests in flight to finish" in log
+    assert [mark for mark in UNCLEAN if mark in log] == [], log[-3000:]
+    print(f"the stream ran {finished_at - stopped_at:.1f} s past the SIGTERM")
