@@ -47,11 +47,14 @@ def tool_constraint(functions: list[dict], mode: ToolMode, parallel_tool_calls: 
     ``None`` for ``auto``. A schema without a ``type`` gets ``"type": "object"``, unless it
     is a reference or a combination (``$ref``, ``anyOf``, ``oneOf``, ``allOf``), where xgrammar
     would apply that and not the type (``engine.structured_outputs.check_enforceable``).
+    A function without ``parameters`` takes none: its arguments are ``{}`` (OpenAI's API
+    reference, ``tools[].function.parameters``: omitting it defines an empty parameter list).
 
     Args:
-        functions: the tools' function definitions (``name``, ``parameters``).
+        functions: the tools' function definitions (``name``, ``parameters``), without the
+            keys left out of the request (``model_dump(exclude_none=True)``).
     """
-    parameters = {f["name"]: _object_schema(f.get("parameters") or {}) for f in functions}
+    parameters = {f["name"]: _object_schema(f.get("parameters")) for f in functions}
     if mode.kind == "named":
         return {"json": parameters[mode.name], "disable_any_whitespace": True}
     if mode.kind != "required":
@@ -69,7 +72,9 @@ def tool_constraint(functions: list[dict], mode: ToolMode, parallel_tool_calls: 
     return {"json": schema, "disable_any_whitespace": True}
 
 
-def _object_schema(schema: dict) -> dict:
+def _object_schema(schema: dict | None) -> dict:
+    if schema is None:  # no parameters: an empty object
+        return {"type": "object", "properties": {}, "additionalProperties": False}
     if "type" in schema or any(key in schema for key in ("$ref", *COMBINATORS)):
         return schema
     return {"type": "object", **schema}

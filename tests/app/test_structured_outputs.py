@@ -246,6 +246,20 @@ def test_required_calls_keep_each_tools_definitions():
     assert tool_constraint([{"name": "r", "parameters": ref}], ToolMode("named", "r"), True)["json"] == ref
     assert tool_constraint([{"name": "p", "parameters": {}}], ToolMode("named", "p"), True)["json"] == {
         "type": "object"}
+    # no parameters at all: none to give (OpenAI: an empty parameter list), not any object
+    empty = {"type": "object", "properties": {}, "additionalProperties": False}
+    assert tool_constraint([{"name": "q"}], ToolMode("named", "q"), True)["json"] == empty
+    assert tool_constraint([{"name": "q"}], ToolMode("required"), True)["json"]["items"]["anyOf"][0][
+        "properties"]["parameters"] == empty
+
+
+def test_a_function_without_parameters_is_called_with_none(client):
+    # It got whatever arguments the model made up ({"location": "Paris", ...}) before.
+    tools = [{"type": "function", "function": {"name": "get_time", "description": "The time now."}}]
+    for tool_choice in ["required", {"type": "function", "function": {"name": "get_time"}}]:
+        message, _ = _chat(client, False, tools=tools, tool_choice=tool_choice, temperature=0,
+                           parallel_tool_calls=False, max_tokens=40)
+        assert [(c["name"], c["arguments"]) for c in message["tool_calls"]] == [("get_time", "{}")], message
 
 
 def test_references_into_a_tools_own_properties_and_root_are_rebased():
