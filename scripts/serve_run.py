@@ -242,6 +242,12 @@ def check_settings(argv: list[str]) -> bool:
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
 
 
+# Signals this close after the first are the same stop: `kill -TERM -- -<pgid>` (or systemd's
+# stop, which signals the whole group) reaches this wrapper twice, directly and through GNU
+# make, which passes a SIGTERM on to its children, a few milliseconds apart.
+SAME_STOP_S = 1.0
+
+
 def in_flight(url: str, api_key: str | None) -> int | None:
     """Requests running or waiting in the engine replicas, from ``GET <url>/stats``; ``None``
     where the service does not answer (not started, or gone)."""
@@ -319,13 +325,17 @@ def main(argv: list[str]) -> int:
         env.update(haproxy_bufsize_env(env))
     run_folder = tempfile.mkdtemp(prefix="mini-infer-run-")  # mode 0700: the drain flag's
     env.setdefault("MINI_INFER_DRAIN_FILE", os.path.join(run_folder, "draining"))
-    signals = 0  # received so far: the first drains (for the app this wrapper serves), a second stops at once
+    signals = 0  # stops asked for so far: the first drains (for the app this wrapper serves), a second stops at once
+    first_at = 0.0  # time.monotonic() of the first
     try:
         child = subprocess.Popen([serve, "run", *argv], env=env, start_new_session=True)
 
         def stop(signum, frame) -> None:
-            nonlocal signals
+            nonlocal signals, first_at
+            if signals == 1 and time.monotonic() - first_at < SAME_STOP_S:
+                return  # the same stop, sent twice: to the process group and by make to its child
             signals += 1
+            first_at = first_at or time.monotonic()
             if signals == 1 and timeout_s > 0 and argv and argv[0] == "app:deployment":
                 drain(f"http://127.0.0.1:{SERVE_HTTP_PORT}", env.get("MINI_INFER_API_KEY"),
                       env["MINI_INFER_DRAIN_FILE"], timeout_s, stop_now=lambda: signals > 1)
