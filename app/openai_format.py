@@ -137,6 +137,12 @@ class ResponseFormatter:
         choices = [self._delta_choice(index, delta) for index, delta in self.add(output, prompt_index)]
         return [self._sse([choice]) for choice in choices if self._carries_something(choice)]
 
+    def _ended_by_model(self, finish_reason: str | None, stop_reason: int | str | None) -> bool:
+        """Whether a reply with calls finishes with ``tool_calls``: it ended itself (EOS, its
+        grammar's end), not at a stop sequence (whose arguments may be cut) or a length, and
+        called by its own choice."""
+        return finish_reason == "stop" and stop_reason is None and self.tool_mode.kind != "named"
+
     def _carries_something(self, choice: dict) -> bool:
         return True
 
@@ -190,8 +196,9 @@ class ResponseFormatter:
 class ChatFormatter(ResponseFormatter):
     """Chat completions: ``message``/``delta`` objects and the chat logprobs shape; with
     tools, ``tool_calls`` (``app.tool_calls``) and ``finish_reason: "tool_calls"`` where the
-    reply ended (``stop``) having called a tool by its own choice (``auto``, ``required``); a
-    call forced by name ends with ``stop``, as OpenAI's and vLLM's do.
+    reply ended itself (``stop`` without a ``stop_reason``) having called a tool by its own
+    choice (``auto``, ``required``); a call forced by name ends with ``stop``, as OpenAI's and
+    vLLM's do, and so does one cut by a stop sequence.
 
     Args:
         tool_mode: how the replies hold tool calls (``ChatCompletionRequest.tool_mode``),
@@ -223,10 +230,16 @@ class ChatFormatter(ResponseFormatter):
         message = {"role": "assistant", "content": text}
         if self.tool_mode is not None:
             message = final_message(self.tool_mode, text)
-            if message.get("tool_calls") and finish_reason == "stop" and self.tool_mode.kind != "named":
+            if message.get("tool_calls") and self._ended_by_model(finish_reason, choice.stop_reason):
                 finish_reason = "tool_calls"
         return {"index": index, "message": message, "logprobs": self._logprobs(choice.logprobs, None),
                 "finish_reason": finish_reason, "stop_reason": choice.stop_reason}
+
+    def _ended_by_model(self, finish_reason: str | None, stop_reason: int | str | None) -> bool:
+        """Whether a reply with calls finishes with ``tool_calls``: it ended itself (EOS, its
+        grammar's end), not at a stop sequence (whose arguments may be cut) or a length, and
+        called by its own choice."""
+        return finish_reason == "stop" and stop_reason is None and self.tool_mode.kind != "named"
 
     def _carries_something(self, choice: dict) -> bool:
         """False for an empty ``delta`` (tool calls' text held back until a call's name is
@@ -238,7 +251,7 @@ class ChatFormatter(ResponseFormatter):
         if self._tool_streams is not None:
             stream = self._tool_streams[index]
             message = stream.delta(delta["text"], finish_reason is not None)
-            if stream.num_calls and finish_reason == "stop" and self.tool_mode.kind != "named":
+            if stream.num_calls and self._ended_by_model(finish_reason, delta["stop_reason"]):
                 finish_reason = "tool_calls"
         return {"index": index, "delta": message, "logprobs": self._logprobs(delta["logprobs"], None),
                 "finish_reason": finish_reason, "stop_reason": delta["stop_reason"]}

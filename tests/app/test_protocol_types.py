@@ -230,10 +230,11 @@ def _entry(token_id: int, logprob: float, rank: int) -> LogprobEntry:
     return LogprobEntry(token_id, logprob, rank, f"t{token_id}", f"t{token_id}".encode())
 
 
-def _output(logprobs: list[list[LogprobEntry]], text: str = "x", finish_reason: str | None = "length") -> dict:
+def _output(logprobs: list[list[LogprobEntry]], text: str = "x", finish_reason: str | None = "length",
+            stop_reason: int | str | None = None) -> dict:
     return {"replica_id": "r", "num_prompt_tokens": 1, "num_cached_tokens": 0, "finished": True, "error": None,
             "outputs": [{"index": 0, "text": text, "token_ids": [e[0].token_id for e in logprobs],
-                         "finish_reason": finish_reason, "stop_reason": None, "logprobs": logprobs}]}
+                         "finish_reason": finish_reason, "stop_reason": stop_reason, "logprobs": logprobs}]}
 
 
 def test_legacy_top_logprobs_always_hold_the_sampled_token():
@@ -324,6 +325,20 @@ def test_a_call_forced_by_name_finishes_with_stop(mode, finish_reason):
     streamed = ChatFormatter(MODEL, 1, None, False, mode)
     (chunk,) = streamed.chunks(_output([], text, "stop"), first=False)
     assert f'"finish_reason": "{finish_reason}"' in chunk
+
+
+@pytest.mark.parametrize("stop_reason", ["Paris", 42])
+def test_calls_cut_by_a_stop_sequence_finish_with_stop(stop_reason):
+    # They said tool_calls, whose arguments a client parses: here cut, not JSON (a trial's finding)
+    cut = '[{"name": "f", "parameters": {"city": "'
+    whole = ChatFormatter(MODEL, 1, None, False, ToolMode("required"))
+    whole.add(_output([], cut, "stop", stop_reason))
+    choice = whole.response()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"], choice["message"]["tool_calls"][0]["function"]) == \
+        ("stop", stop_reason, {"name": "f", "arguments": '{"city": "'})
+    streamed = ChatFormatter(MODEL, 1, None, False, ToolMode("required"))
+    (chunk,) = streamed.chunks(_output([], cut, "stop", stop_reason), first=False)
+    assert '"finish_reason": "stop"' in chunk and '"name": "f"' in chunk
 
 
 def test_a_streamed_reply_sends_no_chunk_with_nothing_in_it():
