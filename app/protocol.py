@@ -114,7 +114,9 @@ class JsonSchemaFormat(RequestModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(description="The schema's name (not used for decoding).")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$",
+                      description="The schema's name (not used for decoding): letters, digits, _ and -, "
+                      "at most 64, as OpenAI's.")
     description: str | None = Field(None, description="What the format is for (not used for decoding).")
     schema_: dict | None = Field(None, alias="schema", description="The JSON schema the output "
                                  "validates against; absent: any JSON object.")
@@ -542,10 +544,15 @@ class ChatCompletionRequest(SamplingRequest):
         """How the reply holds tool calls; ``None`` without tools or with ``none``.
 
         Raises:
-            InvalidRequestError: naming ``tool_choice``, for a choice other than none or
-                auto without tools, or a function not among them.
+            InvalidRequestError: naming ``tool_choice``, for a choice other than ``none``
+                without ``tools`` (as vLLM's; OpenAI refuses ``none`` too), a choice other than
+                ``none`` or ``auto`` with an empty ``tools``, or a function not among them.
         """
         choice = self.tool_choice or ("auto" if self.tools else "none")
+        if choice != "none" and self.tools is None:
+            what = excerpt(choice) if isinstance(choice, str) else f"function {excerpt(choice.function.name)}"
+            raise InvalidRequestError(f"tool_choice: {what} needs tools, which this request does not give",
+                                      "tool_choice")
         if choice == "none" or (choice == "auto" and not self.tools):
             return None
         if not self.tools:

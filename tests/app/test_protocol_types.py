@@ -133,6 +133,40 @@ def test_a_key_a_nested_object_does_not_define_is_refused_not_ignored(body, loc,
     assert _error(ChatCompletionRequest, {**CHAT, **body}) == (loc, msg)
 
 
+def test_a_json_schemas_name_follows_openais_rule():
+    # accepted before: a name of any characters or length
+    for name in ("not a name!!", "x" * 65, ""):
+        assert _error(ChatCompletionRequest, {**CHAT, "response_format": {
+            "type": "json_schema", "json_schema": {"name": name, "schema": {}}}}) == \
+            (("response_format", "json_schema", "name"), "String should match pattern '^[a-zA-Z0-9_-]{1,64}$'")
+    ChatCompletionRequest.model_validate({**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a-b_C9" + "x" * 58, "schema": {}}}})
+
+
+@pytest.mark.parametrize(("body", "mode", "message"), [
+    # a choice other than none without tools: refused, as OpenAI and vLLM do (auto was accepted)
+    ({"tool_choice": "auto"}, None, "tool_choice: 'auto' needs tools, which this request does not give"),
+    ({"tool_choice": "required"}, None, "tool_choice: 'required' needs tools, which this request does not give"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, None,
+     "tool_choice: function 'f' needs tools, which this request does not give"),
+    ({"tool_choice": "required", "tools": []}, None, "tool_choice: a tool must be called but tools is empty"),
+    ({"tool_choice": {"type": "function", "function": {"name": "g"}},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, None,
+     "tool_choice: function 'g' is not among tools (f)"),
+    ({"tool_choice": "none"}, None, None),  # vLLM's rule (OpenAI refuses it)
+    ({"tool_choice": "auto", "tools": []}, None, None),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, ToolMode("auto"), None),
+])
+def test_the_tool_mode_and_its_errors(body, mode, message):
+    request = ChatCompletionRequest.model_validate({**CHAT, **body})
+    if message is None:
+        assert request.tool_mode() == mode
+        return
+    with pytest.raises(InvalidRequestError) as error:
+        request.tool_mode()
+    assert (error.value.param, str(error.value)) == ("tool_choice", message)
+
+
 def test_an_assistant_message_may_leave_content_out():
     messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [TOOL_CALL]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, {"role": "assistant", "content": None}]
