@@ -355,12 +355,98 @@ def _quantified_anchor(tokens: list[tuple[str, str]]) -> str | None:
 
 def _check_regex(pattern: str, where: str) -> None:
     """``ValueError`` for a regular expression with a part xgrammar does not enforce
-    (``unenforced_regex_part``); ``where`` is its place in a schema ("" for a whole regex)."""
+    (``unenforced_regex_part``); ``where`` is its place in a schema ("" for a whole regex),
+    where its matches are JSON strings, which must not hold ``json_unsafe_regex_part``."""
     part = unenforced_regex_part(pattern)
     if part is not None:
         raise ValueError(f"{part}{where} is not enforced by the grammar engine (xgrammar), so the output would "
                          "not be checked against it; rewrite the pattern without it (xgrammar enforces '^' "
                          "only at the start of the match, '$' only at its end, and no lookaround)")
+    part = json_unsafe_regex_part(pattern) if where else None
+    if part is not None:
+        raise ValueError(f"{part}{where} would be written into the JSON string as it is, unescaped, by the grammar "
+                         "engine (xgrammar): the output would not be valid JSON or would not match; a pattern in "
+                         "a schema cannot match a quote, a backslash or a control character (U+0000-U+001F) here")
+
+
+# What a JSON string cannot hold unescaped (RFC 8259 section 7): a quote, a backslash and the
+# control characters U+0000-U+001F.
+_JSON_UNSAFE = frozenset(range(0x20)) | {ord('"'), ord("\\")}
+# Escapes of one character (ECMA-262's and Python's), outside a class; "\b" only inside one.
+_CHARACTER_ESCAPES = {"a": 0x07, "e": 0x1B, "f": 0x0C, "n": 0x0A, "r": 0x0D, "t": 0x09, "v": 0x0B, "0": 0x00}
+
+
+def json_unsafe_regex_part(pattern: str) -> str | None:
+    """The first part of a JSON schema's ``pattern`` that makes xgrammar write a character a
+    JSON string must escape (``_JSON_UNSAFE``) into the output as it is, or ``None``:
+
+    - such a character outside a class, as itself or as an escape (``"``, ``\\\\``, ``\\n``,
+      ``\\x22``, ``\\u0022``): ``^a"b$`` gave ``{"p": "a"b"}``;
+    - a class whose members are all such characters (``[\\n]``, ``[\\x00-\\x1f]``).
+
+    xgrammar drops these characters from other classes, negated ones, ``.`` and the
+    shorthands (``[ -~]`` generates no ``"``); measured in tests/engine/test_structured_outputs.py.
+    """
+    i = 0
+    while i < len(pattern):
+        if pattern[i] == "[":
+            end, members = _class_members(pattern, i)
+            if members is not None and members and all(_json_unsafe_range(*m) for m in members):
+                return f"the class {pattern[i:end]!r}"
+            i = end
+            continue
+        code, end = _character_at(pattern, i, in_class=False)
+        if code in _JSON_UNSAFE:
+            return f"the character {pattern[i:end]!r}"
+        i = end
+    return None
+
+
+def _json_unsafe_range(low: int | None, high: int | None) -> bool:
+    """Whether every character from ``low`` to ``high`` is one a JSON string must escape."""
+    if low is None or high is None or low > high:
+        return False
+    return high < 0x20 or (low == high and low in _JSON_UNSAFE)
+
+
+def _character_at(pattern: str, i: int, in_class: bool) -> tuple[int | None, int]:
+    """``(code point, end)`` of the character ``pattern[i:end]`` denotes, raw or escaped;
+    ``None`` for what is not one character (a class shorthand, an anchor, a group). The
+    escapes Python's ``re`` refuses (ECMA's ``\\cA``, ``\\u{...}``) do not reach here: a
+    schema's metaschema check refuses such a pattern first."""
+    if pattern[i] != "\\":
+        return (ord(pattern[i]) if in_class or pattern[i] not in "^$.|?*+()[]{}" else None), i + 1
+    letter = pattern[i + 1:i + 2]
+    digits = {"x": 2, "u": 4}.get(letter)
+    if digits and _is_hex(pattern[i + 2:i + 2 + digits]) and len(pattern[i + 2:i + 2 + digits]) == digits:
+        return int(pattern[i + 2:i + 2 + digits], 16), i + 2 + digits
+    if letter in _CHARACTER_ESCAPES or (letter == "b" and in_class):
+        return _CHARACTER_ESCAPES.get(letter, 0x08), i + 2
+    if letter and not letter.isalnum():  # an escaped punctuation character: itself
+        return ord(letter), i + 2
+    return None, i + 2
+
+
+def _is_hex(text: str) -> bool:
+    return bool(text) and all(c in "0123456789abcdefABCDEF" for c in text)
+
+
+def _class_members(pattern: str, start: int) -> tuple[int, list[tuple[int | None, int | None]] | None]:
+    """``(end, members)`` of the class at ``pattern[start]`` (``"["``): its characters and
+    ranges as ``(low, high)`` code points, ``(None, None)`` for a shorthand; members ``None``
+    for a negated class. A ``]`` right after ``[`` or ``[^`` ends it (as xgrammar reads it)."""
+    i = start + 1
+    negated = pattern[i:i + 1] == "^"
+    i += negated
+    members: list[tuple[int | None, int | None]] = []
+    while i < len(pattern) and pattern[i] != "]":
+        low, i = _character_at(pattern, i, in_class=True)
+        if pattern[i:i + 1] == "-" and pattern[i + 1:i + 2] not in ("]", "") and low is not None:
+            high, i = _character_at(pattern, i + 1, in_class=True)
+            members.append((low, high))
+        else:
+            members.append((low, low))
+    return i + 1, None if negated else members
 
 
 def _not_enforced(keyword: str, where: str, fix: str) -> ValueError:

@@ -311,6 +311,50 @@ def test_a_regex_with_an_anchor_inside_the_match_is_refused():
     grammar_of(StructuredOutputsParams(regex=r"^\d{3}-\d{4}$|^x$"))  # anchors at the ends are enforced
 
 
+# A JSON string's unsafe characters (RFC 8259 section 7), each as the value "<c>" written raw
+_RAW_UNSAFE = [chr(c) for c in range(0x20)] + ['"', "\\"]
+
+
+def _string_grammar(pattern: str):
+    import xgrammar as xgr
+    return xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern}), any_whitespace=False)
+
+
+@pytest.mark.parametrize("pattern, raw, part", [
+    ('^a"b$', '"a"b"', "the character '\"'"),  # a trial's: {"p": "a"b"}, not JSON
+    (r"^C:\\temp$", '"C:\\temp"', r"the character '\\\\'"),  # a JSON string whose \t is a tab
+    ("^\\n$", '"\n"', r"the character '\\n'"),
+    (r"^\x22$", '"""', r"the character '\\x22'"),
+    (r"^\u0022$", '"""', r"the character '\\u0022'"),
+    ("^a\tb$", '"a\tb"', r"the character '\t'"),  # a tab in the pattern itself
+    (r"^[\x00-\x1f]$", '"\x01"', r"the class '[\\x00-\\x1f]'"),
+    (r"^[\n\t]$", '"\n"', r"the class '[\\n\\t]'"),
+    (r'^[\\"]$', '"\\"', r"""the class '[\\\\"]'"""),
+    (r"^[\b]$", '"\x08"', r"the class '[\\b]'"),
+])
+def test_a_pattern_xgrammar_writes_unescaped_into_a_json_string_is_refused(pattern, raw, part):
+    from xgrammar.testing import _is_grammar_accept_string
+    assert _is_grammar_accept_string(_string_grammar(pattern), raw)  # generated before: not JSON, or not a match
+    with pytest.raises(ValueError, match=re.escape(f'{part} in "pattern" at # would be written into the JSON '
+                                                   "string as it is, unescaped")):
+        check_enforceable({"type": "string", "pattern": pattern})
+    # an object's names are JSON strings too
+    with pytest.raises(ValueError, match=re.escape(f"{part} in the patternProperties name")):
+        check_enforceable({"type": "object", "patternProperties": {pattern: {"type": "integer"}}})
+    grammar_of(StructuredOutputsParams(regex=pattern))  # plain text: no JSON string to break
+
+
+@pytest.mark.parametrize("pattern", [
+    "^[^a]$", "^.$", "^[ -~]$", "^[\\n ]$", '^["x]$', "^\\s$", "^\\W$", "^[\\x1f-!]$", "^\\x20$", "^\\/$",
+    "^[\\w\"]$", "^[^\\x00-\\x1f]$", "^\\d{2}-[a-z]+$",
+])
+def test_a_pattern_whose_unsafe_characters_xgrammar_leaves_out_is_compiled(pattern):
+    from xgrammar.testing import _is_grammar_accept_string
+    grammar = _string_grammar(pattern)
+    assert [c for c in _RAW_UNSAFE if _is_grammar_accept_string(grammar, f'"{c}"')] == []
+    check_enforceable({"type": "string", "pattern": pattern})
+
+
 def test_references_into_the_schema_and_ref_lookalikes_are_compiled():
     check_enforceable({"type": "object", "$defs": {"A": {"type": "integer"}}, "properties": {
         "a": {"$ref": "#/$defs/A"}, "b": {"$ref": "#"}, "$ref": {"type": "string"},  # a property named $ref
