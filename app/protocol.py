@@ -2,6 +2,7 @@
 sampling extras. Requests are validated here; their sampling fields become ``SamplingParams``."""
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -225,7 +226,10 @@ class SamplingRequest(RequestModel):
         """The engine's parameters (deltas: the service streams or accumulates them).
 
         Raises:
-            InvalidRequestError: naming the field and its allowed range (a ValueError).
+            InvalidRequestError: naming the field and its allowed range (a ValueError), or
+                ``ignore_eos`` / ``min_tokens`` beside a constraint (the engine would let the
+                output run on unconstrained past the constraint's end, or end it before
+                ``min_tokens``).
         """
         if OPENAI_MAX_TEMPERATURE < self.temperature < math.inf:  # the engine, as vLLM's, takes any finite
             raise InvalidRequestError(f"temperature must be at most {OPENAI_MAX_TEMPERATURE:g} (the OpenAI API's "
@@ -237,6 +241,12 @@ class SamplingRequest(RequestModel):
             raise InvalidRequestError("stream_options.continuous_usage_stats needs stream_options.include_usage: "
                                       "true", param="stream_options.continuous_usage_stats")
         max_tokens, logprobs = self.max_new_tokens(), self.num_logprobs()
+        structured_outputs = self.structured_outputs_params()
+        for field, value in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens)):
+            if structured_outputs is not None and value:  # the engine's rule would drop one or the other
+                raise InvalidRequestError(
+                    f"{field} cannot be combined with {self._constraint_param.split('.')[0]}: a constraint on the "
+                    f"output decides where it ends (at its end only EOS is allowed); got {json.dumps(value)}", field)
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty,
@@ -246,7 +256,7 @@ class SamplingRequest(RequestModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=_logit_bias(self.logit_bias), output_kind=RequestOutputKind.DELTA,
-            cache_salt=self.cache_salt, structured_outputs=self.structured_outputs_params())
+            cache_salt=self.cache_salt, structured_outputs=structured_outputs)
 
     def constraints(self) -> list[tuple[str, dict]]:
         """``(request field, StructuredOutputsParams kwargs)`` for every constraint set."""

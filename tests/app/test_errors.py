@@ -190,6 +190,15 @@ def _error_cases():
         ("json_schema under an invalid type", "/v1/chat/completions",
          {**CHAT, "response_format": {"type": "bogus", "json_schema": {}}}, 400, "response_format.type", None,
          "response_format.type: Input should be 'text', 'json_object' or 'json_schema'"),
+        # the constraint's end allows only EOS: ignore_eos ran on unconstrained past it, min_tokens
+        # went unheeded (a trial's findings)
+        ("ignore_eos with a regex", "/v1/completions",
+         {**ok, "ignore_eos": True, "structured_outputs": {"regex": "ab"}}, 400, "ignore_eos", None,
+         "ignore_eos cannot be combined with structured_outputs: a constraint on the output decides where it ends "
+         "(at its end only EOS is allowed); got true"),
+        ("min_tokens with a required tool", "/v1/chat/completions",
+         {**CHAT, "tools": [WEATHER], "tool_choice": "required", "min_tokens": 5}, 400, "min_tokens", None,
+         "min_tokens cannot be combined with tools: a constraint on the output decides where it ends"),
         ("tool_choice function null", "/v1/chat/completions",
          {**CHAT, "tools": [WEATHER], "tool_choice": {"type": "function", "function": None}}, 400,
          "tool_choice.function", None, "tool_choice.function: Input should be a valid dictionary"),
