@@ -19,11 +19,13 @@ it on its first constrained request.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from decimal import ROUND_CEILING, Decimal
 from typing import Sequence
 
 import pydantic
@@ -495,6 +497,10 @@ def _check_keywords(node: dict, where: str, implied_kind: str) -> None:
             "number" in declared or (isinstance(divisor, float) and not divisor.is_integer())):
         raise _not_enforced(f'"multipleOf": {json.dumps(divisor)}', where,
                             'it is enforced on "type": "integer" with a whole divisor only')
+    if "number" in declared and not _holds_a_generated_number(node):
+        raise ValueError(f"the number range at {where} holds no number of at most {NUMBER_DECIMALS} decimals, the "
+                         "only ones the grammar engine (xgrammar) generates in a range: it would generate nothing "
+                         "there and the output would not be valid JSON; widen the range")
     fmt = node.get("format") if isinstance(node.get("format"), str) else None
     if fmt in UNCHECKED_FORMATS and "string" in types | implied:
         raise _not_enforced(f'"format": {json.dumps(fmt)}', where,
@@ -520,6 +526,34 @@ def _check_keywords(node: dict, where: str, implied_kind: str) -> None:
                                     "xgrammar does not apply it to the properties listed: use one or the other")
     elif node.get("required"):
         raise _not_enforced('"required" without "properties"', where, "list the required keys in properties")
+
+
+# The most decimals xgrammar 0.2 writes in a number between bounds (measured in
+# tests/engine/test_structured_outputs.py: 1.000005 in (1, 1.00001), nothing in (1, 1.000001)).
+NUMBER_DECIMALS = 6
+
+
+def _holds_a_generated_number(node: dict) -> bool:
+    """Whether a number schema's bounds (``minimum``, ``exclusiveMinimum``, ``maximum``,
+    ``exclusiveMaximum``) hold a number of at most ``NUMBER_DECIMALS`` decimals; True
+    without both a lower and an upper bound."""
+    def bound(key: str) -> Decimal | None:
+        value = node.get(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return Decimal(repr(value)) if ok else None
+
+    lows = [(b, key == "exclusiveMinimum") for key in ("minimum", "exclusiveMinimum") if (b := bound(key)) is not None]
+    highs = [(b, key == "exclusiveMaximum") for key in ("maximum", "exclusiveMaximum")
+             if (b := bound(key)) is not None]
+    if not lows or not highs:
+        return True
+    low, low_open = max(lows, key=lambda b: (b[0], b[1]))  # the tighter: at a tie the exclusive one
+    high, high_open = min(highs, key=lambda b: (b[0], not b[1]))
+    step = Decimal(1).scaleb(-NUMBER_DECIMALS)
+    first = (low / step).to_integral_value(rounding=ROUND_CEILING) * step
+    if low_open and first == low:
+        first += step
+    return first < high or (first == high and not high_open)
 
 
 def _names(value) -> set[str]:

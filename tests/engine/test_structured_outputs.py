@@ -355,6 +355,32 @@ def test_a_pattern_whose_unsafe_characters_xgrammar_leaves_out_is_compiled(patte
     check_enforceable({"type": "string", "pattern": pattern})
 
 
+@pytest.mark.parametrize("bounds, generated", [
+    ({"exclusiveMinimum": 0.5, "maximum": 0.5000001}, None),  # a trial's: {"x": } with finish_reason stop
+    ({"exclusiveMinimum": 1, "exclusiveMaximum": 1.000001}, None),
+    ({"minimum": 0.1234567, "maximum": 0.1234568}, None),
+    ({"minimum": -0.5000001, "exclusiveMaximum": -0.5}, None),
+    ({"minimum": 1e-7, "exclusiveMaximum": 1e-6}, None),
+    ({"exclusiveMinimum": 1, "exclusiveMaximum": 1.00001}, "1.000005"),  # 6 decimals: xgrammar's most
+    ({"minimum": 0.5, "maximum": 0.5000001}, "0.5"),
+    ({"minimum": 1e-7, "maximum": 1e-6}, "0.000001"),
+    ({"minimum": -1e308, "maximum": 1e308}, "12.5"),
+])
+def test_a_number_range_without_a_number_xgrammar_generates_is_refused(bounds, generated):
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+    schema = {"type": "number", **bounds}
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    assert _is_grammar_accept_string(grammar, "") == (generated is None)  # an empty "number": not JSON
+    if generated is not None:
+        assert _is_grammar_accept_string(grammar, generated)
+        check_enforceable({"type": "object", "properties": {"x": schema}})
+        return
+    with pytest.raises(ValueError, match=re.escape("the number range at #/properties/x holds no number of at most 6 "
+                                                   "decimals")):
+        check_enforceable({"type": "object", "properties": {"x": schema}})
+
+
 def test_references_into_the_schema_and_ref_lookalikes_are_compiled():
     check_enforceable({"type": "object", "$defs": {"A": {"type": "integer"}}, "properties": {
         "a": {"$ref": "#/$defs/A"}, "b": {"$ref": "#"}, "$ref": {"type": "string"},  # a property named $ref
