@@ -17,6 +17,7 @@ from ray import serve
 from app.config import AppConfig
 from app.dashboard import RecentLatencies, node_id, replica_view
 from app.errors import from_exception
+from app.http_guard import shutting_down_error, stopping_now
 from app.metrics import EngineMetrics, Families
 from app.records import CompletionDelta, EngineOutput, LogprobEntry, Rejection
 from engine.async_llm import AsyncLLM
@@ -85,6 +86,9 @@ class EngineServer:
         tokenizer = self.llm.engine.tokenizer
         self.token_bytes = None if tokenizer is None else TokenBytes(tokenizer)
         self._num_in_flight = 0  # generate() calls not finished; only the replica's loop touches it
+        self._request_ids: set[str] = set()  # of those calls, for a stop to end them
+        self._stopping_now = False  # a stop's wait is over: the requests still running end with a 503
+        self._stop_watch: asyncio.Task | None = None  # polls for that, started by the first request
         self._stop = threading.Event()
         threading.Thread(target=self._record_stats, name="engine-metrics", daemon=True).start()
 
@@ -131,12 +135,28 @@ class EngineServer:
                 f"the engine is overloaded: {num_waiting} requests waiting "
                 f"(max_waiting_requests={self.config.max_waiting_requests})"))
             return
+        if self._stop_watch is None:
+            self._stop_watch = asyncio.get_running_loop().create_task(self._watch_for_stop())
+        request_id = request_id or uuid.uuid4().hex
         self._num_in_flight += 1
+        self._request_ids.add(request_id)
         try:
             async for item in self._generate(prompt, params, request_id, echo, stream, announce_added):
                 yield item
         finally:
             self._num_in_flight -= 1
+            self._request_ids.discard(request_id)
+
+    async def _watch_for_stop(self, interval_s: float = 0.25) -> None:
+        """Abort every request in flight once a stop's wait is over (``stopping_now``); each
+        then ends with a ``Rejection`` of 503 ``shutting_down`` (``_generate``)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if not self._stopping_now and stopping_now():
+                self._stopping_now = True
+            if self._stopping_now:
+                for request_id in list(self._request_ids):
+                    self.llm.abort(request_id)
 
     async def _generate(self, prompt: dict, params: SamplingParams, request_id: str | None, echo: bool,
                         stream: bool, announce_added: bool) -> AsyncIterator[EngineOutput | Rejection | dict]:
@@ -162,6 +182,9 @@ class EngineServer:
                     source = _batch_outputs(source, self.config.stream_batching_interval_ms / 1000)
                 async with contextlib.aclosing(source):  # before outputs: it may be reading them
                     async for output in source:
+                        if self._stopping_now and any(c.finish_reason == "abort" for c in output.outputs):
+                            yield rejection(shutting_down_error(in_flight=True))  # aborted by the stop
+                            return
                         timing.tick(self.metrics)
                         num_prompt_tokens = len(output.prompt_token_ids)
                         num_output_tokens += sum(len(c.token_ids) for c in output.outputs)

@@ -168,12 +168,38 @@ def draining() -> bool:
     return bool(path) and os.path.exists(path)
 
 
+# What the drain file holds once a stop's wait for the requests in flight is over.
+STOP_NOW = "stop"
+
+
+def stopping_now() -> bool:
+    """Whether a stop's wait is over (``MINI_INFER_SHUTDOWN_TIMEOUT_S`` has passed): the
+    drain file holds ``STOP_NOW``, which ``scripts/serve_run.py`` writes just before it stops
+    Serve. The requests still running then end with 503 ``shutting_down``
+    (``app.engine_server``): an SSE error event and ``[DONE]``, not a cut connection."""
+    path = os.environ.get("MINI_INFER_DRAIN_FILE")
+    try:
+        with open(path or "", encoding="utf-8") as flag:
+            return flag.read().strip() == STOP_NOW
+    except OSError:
+        return False
+
+
+def shutting_down_error(in_flight: bool = False) -> OpenAIError:
+    """503 ``shutting_down``: for a new request while ``draining()``, or (``in_flight``) for
+    one still running when the wait is over."""
+    if in_flight:
+        return OpenAIError(503, "the service is shutting down and stopped this request: the wait for the requests "
+                           "in flight (MINI_INFER_SHUTDOWN_TIMEOUT_S) ran out; retry later", code="shutting_down")
+    return OpenAIError(503, "the service is shutting down: it finishes the requests in flight and takes no "
+                       "new ones; retry later", code="shutting_down")
+
+
 def check_not_draining() -> None:
     """Raises: OpenAIError: 503 ``shutting_down`` (with ``Retry-After``) while ``draining()``:
     the requests in flight finish, new ones go elsewhere or wait for the restart."""
     if draining():
-        raise OpenAIError(503, "the service is shutting down: it finishes the requests in flight and takes no "
-                          "new ones; retry later", code="shutting_down")
+        raise shutting_down_error()
 
 
 def check_json_body(headers: Headers) -> None:

@@ -282,10 +282,32 @@ def drain(url: str, api_key: str | None, drain_file: str, timeout_s: float,
                   "(MINI_INFER_SHUTDOWN_TIMEOUT_S); send the signal again to stop now", file=sys.stderr)
             waited = True
         if time.monotonic() >= deadline:
-            print(f"serve_run: stopping with {count} requests still in flight", file=sys.stderr)
+            print(f"serve_run: stopping: {count} requests still in flight end with 503 shutting_down",
+                  file=sys.stderr)
+            stop_in_flight(url, api_key, drain_file, stop_now)
             return
         time.sleep(0.2)
     if waited and not stop_now():
+        time.sleep(0.5)  # for their last events to reach the clients
+
+
+# What the drain file holds once the wait is over: app.http_guard.STOP_NOW (this script does
+# not import the app, which imports Ray; tests/test_serve_run_wrapper.py keeps them equal).
+STOP_NOW = "stop"
+
+
+def stop_in_flight(url: str, api_key: str | None, drain_file: str, stop_now: Callable[[], bool],
+                   wait_s: float = 5.0) -> None:
+    """End the requests still in flight with 503 ``shutting_down`` (an SSE error event and
+    ``[DONE]`` for a stream) rather than a cut connection: writes ``STOP_NOW`` into
+    ``drain_file``, which the engine replicas poll (``app.http_guard.stopping_now``), and
+    waits, up to ``wait_s``, until none is left."""
+    with open(drain_file, "w", encoding="utf-8") as flag:
+        flag.write(STOP_NOW)
+    deadline = time.monotonic() + wait_s
+    while not stop_now() and time.monotonic() < deadline and in_flight(url, api_key):
+        time.sleep(0.2)
+    if not stop_now():
         time.sleep(0.5)  # for their last events to reach the clients
 
 

@@ -222,6 +222,8 @@ def test_a_stop_waits_for_the_requests_in_flight_then_goes_on(tmp_path, capsys):
     import threading
     import time
 
+    from app import http_guard
+
     wrapper = _wrapper_module()
     counts = [2, 1, 0]
     seen_keys = []
@@ -230,6 +232,8 @@ def test_a_stop_waits_for_the_requests_in_flight_then_goes_on(tmp_path, capsys):
         def do_GET(self):
             seen_keys.append(self.headers.get("Authorization"))
             count = counts.pop(0) if len(counts) > 1 else counts[0]
+            if flag.exists() and flag.read_text() == "stop":  # the engine replicas end them (a 503 each)
+                count = 0
             body = json.dumps({"replicas": [{"num_running": count, "num_waiting": 0}]}).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
@@ -251,11 +255,14 @@ def test_a_stop_waits_for_the_requests_in_flight_then_goes_on(tmp_path, capsys):
         assert capsys.readouterr().err == ("serve_run: stopping: waiting up to 20 s for 2 requests in flight to "
                                            "finish (MINI_INFER_SHUTDOWN_TIMEOUT_S); send the signal again to stop "
                                            "now\n")
-        counts[:] = [5]  # never done: the timeout ends the wait
+        counts[:] = [5]  # never done: the timeout ends the wait, and the flag says to end them
         start = time.monotonic()
         wrapper.drain(url, None, str(flag), timeout_s=0.5, stop_now=lambda: False)
         assert 0.4 < time.monotonic() - start < 3
-        assert capsys.readouterr().err.endswith("serve_run: stopping with 5 requests still in flight\n")
+        assert flag.read_text() == wrapper.STOP_NOW == http_guard.STOP_NOW
+        assert capsys.readouterr().err.endswith("serve_run: stopping: 5 requests still in flight end with 503 "
+                                                "shutting_down\n")
+        flag.unlink()
         start = time.monotonic()
         wrapper.drain(url, None, str(flag), timeout_s=20, stop_now=lambda: True)  # a second signal
         assert time.monotonic() - start < 0.5
