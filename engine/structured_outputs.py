@@ -368,12 +368,15 @@ def _check_regex(pattern: str, where: str) -> None:
     if part is not None:
         raise ValueError(f"{part}{where} would be written into the JSON string as it is, unescaped, by the grammar "
                          "engine (xgrammar): the output would not be valid JSON or would not match; a pattern in "
-                         "a schema cannot match a quote, a backslash or a control character (U+0000-U+001F) here")
+                         "a schema cannot match a quote, a backslash, a control character (U+0000-U+001F) or a "
+                         "surrogate (U+D800-U+DFFF) here")
 
 
 # What a JSON string cannot hold unescaped (RFC 8259 section 7): a quote, a backslash and the
-# control characters U+0000-U+001F.
-_JSON_UNSAFE = frozenset(range(0x20)) | {ord('"'), ord("\\")}
+# control characters U+0000-U+001F; and the surrogates U+D800-U+DFFF, which are no characters
+# (xgrammar writes the bytes of their UTF-8-like form: three U+FFFD once decoded).
+_SURROGATES = range(0xD800, 0xE000)
+_JSON_UNSAFE = frozenset(range(0x20)) | {ord('"'), ord("\\")} | frozenset(_SURROGATES)
 # Escapes of one character (ECMA-262's and Python's), outside a class; "\b" only inside one.
 _CHARACTER_ESCAPES = {"a": 0x07, "e": 0x1B, "f": 0x0C, "n": 0x0A, "r": 0x0D, "t": 0x09, "v": 0x0B, "0": 0x00}
 
@@ -384,7 +387,10 @@ def json_unsafe_regex_part(pattern: str) -> str | None:
 
     - such a character outside a class, as itself or as an escape (``"``, ``\\\\``, ``\\n``,
       ``\\x22``, ``\\u0022``): ``^a"b$`` gave ``{"p": "a"b"}``;
-    - a class whose members are all such characters (``[\\n]``, ``[\\x00-\\x1f]``).
+    - a class whose members are all such characters (``[\\n]``, ``[\\x00-\\x1f]``);
+    - a surrogate, alone or in such a class (``^\\ud83d$`` gave three U+FFFD). (xgrammar's
+      ``.``, negated and other classes take a surrogate's bytes too, as one choice among every
+      character: not refused.)
 
     xgrammar drops these characters from other classes, negated ones, ``.`` and the
     shorthands (``[ -~]`` generates no ``"``); measured in tests/engine/test_structured_outputs.py.
@@ -408,7 +414,7 @@ def _json_unsafe_range(low: int | None, high: int | None) -> bool:
     """Whether every character from ``low`` to ``high`` is one a JSON string must escape."""
     if low is None or high is None or low > high:
         return False
-    return high < 0x20 or (low == high and low in _JSON_UNSAFE)
+    return high < 0x20 or (low == high and low in _JSON_UNSAFE) or (low in _SURROGATES and high in _SURROGATES)
 
 
 def _character_at(pattern: str, i: int, in_class: bool) -> tuple[int | None, int]:

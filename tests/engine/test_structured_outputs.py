@@ -331,6 +331,9 @@ def _string_grammar(pattern: str):
     (r"^[\n\t]$", '"\n"', r"the class '[\\n\\t]'"),
     (r'^[\\"]$', '"\\"', r"""the class '[\\\\"]'"""),
     (r"^[\b]$", '"\x08"', r"the class '[\\b]'"),
+    # a surrogate: no character; its bytes decode to three U+FFFD (a second trial's)
+    (r"^\ud83d$", '"\ud83d"'.encode("utf-8", "surrogatepass"), r"the character '\\ud83d'"),
+    (r"^[\ud800-\udfff]$", '"\udc00"'.encode("utf-8", "surrogatepass"), r"the class '[\\ud800-\\udfff]'"),
 ])
 def test_a_pattern_xgrammar_writes_unescaped_into_a_json_string_is_refused(pattern, raw, part):
     from xgrammar.testing import _is_grammar_accept_string
@@ -346,7 +349,7 @@ def test_a_pattern_xgrammar_writes_unescaped_into_a_json_string_is_refused(patte
 
 @pytest.mark.parametrize("pattern", [
     "^[^a]$", "^.$", "^[ -~]$", "^[\\n ]$", '^["x]$', "^\\s$", "^\\W$", "^[\\x1f-!]$", "^\\x20$", "^\\/$",
-    "^[\\w\"]$", "^[^\\x00-\\x1f]$", "^\\d{2}-[a-z]+$",
+    "^[\\w\"]$", "^[^\\x00-\\x1f]$", "^\\d{2}-[a-z]+$", "^[a\\ud800]$", "^[\\ud7ff-\\ue000]$",
 ])
 def test_a_pattern_whose_unsafe_characters_xgrammar_leaves_out_is_compiled(pattern):
     from xgrammar.testing import _is_grammar_accept_string
