@@ -245,7 +245,7 @@ class SamplingRequest(RequestModel):
         for field, value in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens)):
             if structured_outputs is not None and value:  # the engine's rule would drop one or the other
                 raise InvalidRequestError(
-                    f"{field} cannot be combined with {self._constraint_param.split('.')[0]}: a constraint on the "
+                    f"{field} cannot be combined with {self._constraint_field()}: a constraint on the "
                     f"output decides where it ends (at its end only EOS is allowed); got {json.dumps(value)}", field)
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -277,6 +277,12 @@ class SamplingRequest(RequestModel):
             if getattr(self, name) is not None:
                 found.append((name, {kind: getattr(self, name)}))
         return found
+
+    def _constraint_field(self) -> str:
+        """The request field the constraint came from, as the client wrote it: ``tool_choice``
+        for a call forced by the tools (whose ``param`` names the tool's schema)."""
+        source = self._constraint_param.split(".")[0]
+        return "tool_choice" if source.startswith("tools") else source
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one constraint of the request, ``None`` without one.
@@ -545,7 +551,8 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = Field(False, description="vLLM's: leave the last message "
                                          "open (no end-of-turn token) for the model to continue; "
                                          "needs add_generation_prompt false.")
-    tools: list[ChatTool] | None = Field(None, description="Functions the model may call.")
+    tools: list[ChatTool] | None = Field(None, min_length=1, description="Functions the model may call "
+                                         "(at least one, as OpenAI's: leave it out for none).")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="none, auto (the default with tools), required, or a named function.")
     parallel_tool_calls: bool = Field(True, description="More than one call may be made (required, auto).")
@@ -555,18 +562,16 @@ class ChatCompletionRequest(SamplingRequest):
 
         Raises:
             InvalidRequestError: naming ``tool_choice``, for a choice other than ``none``
-                without ``tools`` (as vLLM's; OpenAI refuses ``none`` too), a choice other than
-                ``none`` or ``auto`` with an empty ``tools``, or a function not among them.
+                without ``tools`` (as vLLM's; OpenAI refuses ``none`` too; an empty ``tools``
+                is refused by validation), or a function not among them.
         """
         choice = self.tool_choice or ("auto" if self.tools else "none")
-        if choice != "none" and self.tools is None:
+        if choice != "none" and not self.tools:
             what = excerpt(choice) if isinstance(choice, str) else f"function {excerpt(choice.function.name)}"
             raise InvalidRequestError(f"tool_choice: {what} needs tools, which this request does not give",
                                       "tool_choice")
-        if choice == "none" or (choice == "auto" and not self.tools):
+        if choice == "none":
             return None
-        if not self.tools:
-            raise InvalidRequestError("tool_choice: a tool must be called but tools is empty", "tool_choice")
         if isinstance(choice, NamedToolChoice):
             names = [tool.function.name for tool in self.tools]
             if choice.function.name not in names:

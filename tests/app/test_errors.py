@@ -198,7 +198,7 @@ def _error_cases():
          "(at its end only EOS is allowed); got true"),
         ("min_tokens with a required tool", "/v1/chat/completions",
          {**CHAT, "tools": [WEATHER], "tool_choice": "required", "min_tokens": 5}, 400, "min_tokens", None,
-         "min_tokens cannot be combined with tools: a constraint on the output decides where it ends"),
+         "min_tokens cannot be combined with tool_choice: a constraint on the output decides where it ends"),
         ("tool_choice function null", "/v1/chat/completions",
          {**CHAT, "tools": [WEATHER], "tool_choice": {"type": "function", "function": None}}, 400,
          "tool_choice.function", None, "tool_choice.function: Input should be a valid dictionary"),
