@@ -249,8 +249,9 @@ SAME_STOP_S = 1.0
 
 
 def in_flight(url: str, api_key: str | None) -> int | None:
-    """Requests running or waiting in the engine replicas, from ``GET <url>/stats``; ``None``
-    where the service does not answer (not started, or gone)."""
+    """Sequences running or waiting in the engine replicas (a request's each of ``n`` choices,
+    a batch's each prompt), from ``GET <url>/stats``; ``None`` where the service does not
+    answer (not started, or gone)."""
     request = urllib.request.Request(url + "/stats", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
         with urllib.request.urlopen(request, timeout=2) as response:
@@ -278,12 +279,13 @@ def drain(url: str, api_key: str | None, drain_file: str, timeout_s: float,
         if not count:
             break
         if not waited:
-            print(f"serve_run: stopping: waiting up to {timeout_s:g} s for {count} requests in flight to finish "
-                  "(MINI_INFER_SHUTDOWN_TIMEOUT_S); send the signal again to stop now", file=sys.stderr)
+            print(f"serve_run: stopping: waiting up to {timeout_s:g} s for {count} sequences in flight to finish "
+                  "(each choice of n and each prompt of a batch counts; MINI_INFER_SHUTDOWN_TIMEOUT_S); send the "
+                  "signal again to stop now", file=sys.stderr)
             waited = True
         if time.monotonic() >= deadline:
-            print(f"serve_run: stopping: {count} requests still in flight end with 503 shutting_down",
-                  file=sys.stderr)
+            print(f"serve_run: stopping: the requests of {count} sequences still in flight end with 503 "
+                  "shutting_down", file=sys.stderr)
             stop_in_flight(url, api_key, drain_file, stop_now)
             return
         time.sleep(0.2)
@@ -294,6 +296,11 @@ def drain(url: str, api_key: str | None, drain_file: str, timeout_s: float,
 # What the drain file holds once the wait is over: app.http_guard.STOP_NOW (this script does
 # not import the app, which imports Ray; tests/test_serve_run_wrapper.py keeps them equal).
 STOP_NOW = "stop"
+
+
+# How long a second signal waits for the requests in flight to end with their 503 (the engine
+# replicas poll for it every 0.25 s) before it stops Serve.
+SECOND_STOP_WAIT_S = 1.5
 
 
 def stop_in_flight(url: str, api_key: str | None, drain_file: str, stop_now: Callable[[], bool],
@@ -358,11 +365,15 @@ def main(argv: list[str]) -> int:
                 return  # the same stop, sent twice: to the process group and by make to its child
             signals += 1
             first_at = first_at or time.monotonic()
-            if signals == 1 and timeout_s > 0 and argv and argv[0] == "app:deployment":
-                drain(f"http://127.0.0.1:{SERVE_HTTP_PORT}", env.get("MINI_INFER_API_KEY"),
-                      env["MINI_INFER_DRAIN_FILE"], timeout_s, stop_now=lambda: signals > 1)
+            drains = timeout_s > 0 and argv and argv[0] == "app:deployment"
+            url, api_key = f"http://127.0.0.1:{SERVE_HTTP_PORT}", env.get("MINI_INFER_API_KEY")
+            if signals == 1 and drains:
+                drain(url, api_key, env["MINI_INFER_DRAIN_FILE"], timeout_s, stop_now=lambda: signals > 1)
                 if signals > 1:  # the second signal's handler has sent serve run its SIGINT
                     return
+            elif signals == 2 and drains:  # at once, but the requests in flight still get their 503
+                stop_in_flight(url, api_key, env["MINI_INFER_DRAIN_FILE"], stop_now=lambda: signals > 2,
+                               wait_s=SECOND_STOP_WAIT_S)
             if child.poll() is None:
                 child.send_signal(signal.SIGINT)
 

@@ -252,16 +252,16 @@ def test_a_stop_waits_for_the_requests_in_flight_then_goes_on(tmp_path, capsys):
         wrapper.drain(url, "k", str(flag), timeout_s=20, stop_now=lambda: False)
         assert flag.exists() and 0.9 < time.monotonic() - start < 5  # 2 polls 0.2 s apart, then 0.5 s
         assert seen_keys == ["Bearer k"] * 3
-        assert capsys.readouterr().err == ("serve_run: stopping: waiting up to 20 s for 2 requests in flight to "
-                                           "finish (MINI_INFER_SHUTDOWN_TIMEOUT_S); send the signal again to stop "
-                                           "now\n")
+        assert capsys.readouterr().err == ("serve_run: stopping: waiting up to 20 s for 2 sequences in flight to "
+                                           "finish (each choice of n and each prompt of a batch counts; "
+                                           "MINI_INFER_SHUTDOWN_TIMEOUT_S); send the signal again to stop now\n")
         counts[:] = [5]  # never done: the timeout ends the wait, and the flag says to end them
         start = time.monotonic()
         wrapper.drain(url, None, str(flag), timeout_s=0.5, stop_now=lambda: False)
         assert 0.4 < time.monotonic() - start < 3
         assert flag.read_text() == wrapper.STOP_NOW == http_guard.STOP_NOW
-        assert capsys.readouterr().err.endswith("serve_run: stopping: 5 requests still in flight end with 503 "
-                                                "shutting_down\n")
+        assert capsys.readouterr().err.endswith("serve_run: stopping: the requests of 5 sequences still in flight "
+                                                "end with 503 shutting_down\n")
         flag.unlink()
         start = time.monotonic()
         wrapper.drain(url, None, str(flag), timeout_s=20, stop_now=lambda: True)  # a second signal
