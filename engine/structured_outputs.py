@@ -503,6 +503,8 @@ def _check_keywords(node: dict, where: str, implied_kind: str) -> None:
             "number" in declared or (isinstance(divisor, float) and not divisor.is_integer())):
         raise _not_enforced(f'"multipleOf": {json.dumps(divisor)}', where,
                             'it is enforced on "type": "integer" with a whole divisor only')
+    if "integer" in declared and "number" not in declared:
+        _check_integer_bounds(node, where)
     if "number" in declared and not _holds_a_generated_number(node):
         raise ValueError(f"the number range at {where} holds no number of at most {NUMBER_DECIMALS} decimals, the "
                          "only ones the grammar engine (xgrammar) generates in a range: it would generate nothing "
@@ -560,6 +562,32 @@ def _holds_a_generated_number(node: dict) -> bool:
     if low_open and first == low:
         first += step
     return first < high or (first == high and not high_open)
+
+
+def _check_integer_bounds(node: dict, where: str) -> None:
+    """An integer schema's bounds: xgrammar refuses a fractional one ("Integer constraint must
+    be a whole number", no place named) and an empty range ("minimum greater than maximum").
+
+    Raises:
+        ValueError: naming the bound and its whole equivalent, or the empty range, at ``where``.
+    """
+    whole: dict[str, int] = {}  # the bound as an inclusive whole number
+    for key, rounding, side in (("minimum", math.ceil, "minimum"), ("exclusiveMinimum", None, "minimum"),
+                                ("maximum", math.floor, "maximum"), ("exclusiveMaximum", None, "maximum")):
+        value = node.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            continue
+        if rounding is None:  # exclusive: the next whole number inwards
+            bound = math.floor(value) + 1 if side == "minimum" else math.ceil(value) - 1
+        else:
+            bound = rounding(value)
+        if value != int(value):
+            raise ValueError(f"{json.dumps(key)}: {json.dumps(value)} on an integer at {where} is not a whole number, "
+                             f"which the grammar engine (xgrammar) requires; write {json.dumps(side)}: {bound}")
+        whole[side] = bound if side not in whole else (max if side == "minimum" else min)(whole[side], bound)
+    if "minimum" in whole and "maximum" in whole and whole["minimum"] > whole["maximum"]:
+        raise ValueError(f"the integer range at {where} holds no integer (from {whole['minimum']} to "
+                         f"{whole['maximum']}); widen it")
 
 
 def _names(value) -> set[str]:

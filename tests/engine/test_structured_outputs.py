@@ -384,6 +384,32 @@ def test_a_number_range_without_a_number_xgrammar_generates_is_refused(bounds, g
         check_enforceable({"type": "object", "properties": {"x": schema}})
 
 
+@pytest.mark.parametrize("bounds, message", [
+    ({"minimum": 1.5, "maximum": 2.5}, '"minimum": 1.5 on an integer at #/properties/x is not a whole number, which '
+                                       'the grammar engine (xgrammar) requires; write "minimum": 2'),
+    ({"exclusiveMaximum": -0.5}, '"exclusiveMaximum": -0.5 on an integer at #/properties/x is not a whole number, '
+                                 'which the grammar engine (xgrammar) requires; write "maximum": -1'),
+    ({"exclusiveMinimum": 1, "exclusiveMaximum": 2}, "the integer range at #/properties/x holds no integer (from 2 "
+                                                     "to 1); widen it"),
+    ({"minimum": 1, "maximum": 1}, None),
+    ({"exclusiveMinimum": 0, "maximum": 1}, None),
+    ({"minimum": 2.0, "maximum": 3}, None),
+])
+def test_an_integers_bounds_that_xgrammar_refuses_are_named(bounds, message):
+    # xgrammar's own words named no place: "Integer constraint must be a whole number",
+    # "Invalid range: minimum greater than maximum" for (1, 2) (a second trial's)
+    import xgrammar as xgr
+    schema = {"type": "object", "properties": {"x": {"type": "integer", **bounds}}}
+    if message is None:
+        xgr.Grammar.from_json_schema(json.dumps(schema))
+        check_enforceable(schema)
+        return
+    with pytest.raises(RuntimeError):
+        xgr.Grammar.from_json_schema(json.dumps(schema))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_enforceable(schema)
+
+
 def test_references_into_the_schema_and_ref_lookalikes_are_compiled():
     check_enforceable({"type": "object", "$defs": {"A": {"type": "integer"}}, "properties": {
         "a": {"$ref": "#/$defs/A"}, "b": {"$ref": "#"}, "$ref": {"type": "string"},  # a property named $ref
