@@ -137,12 +137,6 @@ class ResponseFormatter:
         choices = [self._delta_choice(index, delta) for index, delta in self.add(output, prompt_index)]
         return [self._sse([choice]) for choice in choices if self._carries_something(choice)]
 
-    def _ended_by_model(self, finish_reason: str | None, stop_reason: int | str | None) -> bool:
-        """Whether a reply with calls finishes with ``tool_calls``: it ended itself (EOS, its
-        grammar's end), not at a stop sequence (whose arguments may be cut) or a length, and
-        called by its own choice."""
-        return finish_reason == "stop" and stop_reason is None and self.tool_mode.kind != "named"
-
     def _carries_something(self, choice: dict) -> bool:
         return True
 

@@ -281,11 +281,9 @@ def _regex_tokens(pattern: str) -> list[tuple[str, str]]:
             tokens.append((pattern[i:i + 2], "atom"))
             i += 2
         elif char == "[":
-            j = i + 1 + (pattern[i + 1:i + 2] == "^")  # a "]" next closes it, as xgrammar and ECMA read it
-            while j < len(pattern) and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            tokens.append((pattern[i:j + 1], "atom"))
-            i = j + 1
+            end, _ = _class_members(pattern, i)
+            tokens.append((pattern[i:end], "atom"))
+            i = end
         elif char == "(":
             lookaround = next((p for p in ("(?<=", "(?<!", "(?=", "(?!") if pattern.startswith(p, i)), None)
             tokens.append((lookaround or "(", "open"))
@@ -541,14 +539,20 @@ def _check_keywords(node: dict, where: str, implied_kind: str) -> None:
 NUMBER_DECIMALS = 6
 
 
+def _numeric_bound(node: dict, key: str) -> int | float | None:
+    """``node[key]`` where it is a finite number (a bound), else ``None``."""
+    value = node.get(key)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return value if ok else None
+
+
 def _holds_a_generated_number(node: dict) -> bool:
     """Whether a number schema's bounds (``minimum``, ``exclusiveMinimum``, ``maximum``,
     ``exclusiveMaximum``) hold a number of at most ``NUMBER_DECIMALS`` decimals; True
     without both a lower and an upper bound."""
     def bound(key: str) -> Decimal | None:
-        value = node.get(key)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        return Decimal(repr(value)) if ok else None
+        value = _numeric_bound(node, key)
+        return None if value is None else Decimal(repr(value))
 
     lows = [(b, key == "exclusiveMinimum") for key in ("minimum", "exclusiveMinimum") if (b := bound(key)) is not None]
     highs = [(b, key == "exclusiveMaximum") for key in ("maximum", "exclusiveMaximum")
@@ -574,8 +578,8 @@ def _check_integer_bounds(node: dict, where: str) -> None:
     whole: dict[str, int] = {}  # the bound as an inclusive whole number
     for key, rounding, side in (("minimum", math.ceil, "minimum"), ("exclusiveMinimum", None, "minimum"),
                                 ("maximum", math.floor, "maximum"), ("exclusiveMaximum", None, "maximum")):
-        value = node.get(key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        value = _numeric_bound(node, key)
+        if value is None:
             continue
         if rounding is None:  # exclusive: the next whole number inwards
             bound = math.floor(value) + 1 if side == "minimum" else math.ceil(value) - 1
