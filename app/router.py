@@ -31,6 +31,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from itertools import accumulate
 
+from ray.serve._private.common import RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from engine.block_manager import hash_block_tokens, root_hash
@@ -181,6 +182,25 @@ class PrefixAwareRouter(RequestRouter):
             preferred = [by_id[i] for i, load in loads.items() if (load, self.index.size(i)) == least]
         rest = [r for r in candidate_replicas if r not in preferred]
         return [preferred, random.sample(rest, min(2, len(rest)))]
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica,
+                                      request_metadata: RequestMetadata | None = None) -> None:
+        """Give ``replica`` to the pending request whose ``metadata`` this is (the request its
+        routing task chose for), found by identity.
+
+        Serve's ``RequestRouter`` finds it by ``internal_request_id``, which every call made
+        while serving one request shares (Serve passes the caller's own id on to its calls):
+        of a completions batch's engine calls only the first was found, and the others'
+        routing tasks chose replicas for ever, probing their queue lengths, until the ingress
+        failed its health checks (Ray 2.60). ``FIFOMixin`` would give the replica to the
+        oldest pending request instead, and with it this request's prefix match."""
+        for pending in self._pending_requests_to_fulfill:
+            if pending.metadata is request_metadata and not pending.future.done():
+                self._cancel_routing_task_for_pending_request(pending)
+                self._record_queue_wait_time(pending)
+                pending.future.set_result(replica)
+                self._remove_pending_request_from_indices(pending)
+                return
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         """Serve's hook once a request is sent: remember its prefix on that replica."""

@@ -146,6 +146,31 @@ def test_router_probes_replicas_missing_from_the_queue_length_cache():
     asyncio.run(main())
 
 
+def test_calls_sharing_a_request_id_are_each_routed_to_their_own_choice():
+    """A completions batch's engine calls share Serve's internal request id (the ingress
+    request's). Serve's RequestRouter found the pending request to give a replica to by that
+    id, so only the first was routed and the others waited for ever; each is now routed, to
+    the replica its prefix chose."""
+    async def main():
+        replicas = [FakeReplica("r1"), FakeReplica("r2")]
+        router = await _router(replicas, block_size=16)
+        _set_loads(router, replicas, [0, 0])
+        on_r1, on_r2 = {"prompt_token_ids": list(range(64))}, {"prompt_token_ids": list(range(100, 164))}
+        router.on_request_routed(_request(on_r1), replicas[0].replica_id, None)
+        router.on_request_routed(_request(on_r2), replicas[1].replica_id, None)
+        batch = [_request(p) for p in (on_r2, {"prompt": "Hi there"}, on_r1, {"prompt": "Hello"})]
+        assert len({r.metadata.internal_request_id for r in batch}) == 1
+        routing = [asyncio.ensure_future(router._choose_replica_for_request(r)) for r in batch]
+        done, pending = await asyncio.wait(routing, timeout=5)
+        for task in pending:
+            task.cancel()
+        assert len(done) == 4, f"{len(pending)} of 4 calls never routed"
+        chosen = [task.result().replica_id.unique_id for task in routing]
+        assert (chosen[0], chosen[2]) == ("r2", "r1")
+
+    asyncio.run(main())
+
+
 def test_request_router_setting():
     assert AppConfig.load({}).resolved_request_router == "pow2"
     assert AppConfig.load({"num_engine_replicas": 2}).resolved_request_router == "prefix"

@@ -3,6 +3,7 @@ this machine): the prefix-aware router against Serve's power of two choices, aut
 1 -> 2 -> 1 under a burst, and the loss of the worker node. Traffic to 127.0.0.1 only, every
 request bounded by a client timeout; the cluster is stopped at the end of the module."""
 import asyncio
+import json
 import random
 import time
 
@@ -69,6 +70,29 @@ async def run_conversations(num_conversations: int, num_turns: int, concurrency:
     return replicas
 
 
+async def check_completions_batches() -> None:
+    """A completions batch (one engine call per prompt, routed each by itself) answers in
+    full, streamed and not. Under the prefix router the calls of one batch, which share
+    Serve's internal request id, once waited for a replica for ever after the first was
+    routed (app.router.PrefixAwareRouter._fulfill_next_pending_request)."""
+    prompts = ["Hi there", "Hello", conversation_opening(100), conversation_opening(101)]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with session.post(URL + "/v1/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            result = await response.json()
+        assert [c["index"] for c in result["choices"]] == [0, 1, 2, 3]
+        assert {c["finish_reason"] for c in result["choices"]} == {"length"}
+        assert result["usage"]["completion_tokens"] == 16
+        async with session.post(URL + "/v1/completions", json={**body, "stream": True}) as response:
+            assert response.status == 200, await response.text()
+            events = [line for line in (await response.text()).splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        finished = [c["index"] for e in events[:-1] for c in json.loads(e[6:])["choices"] if c["finish_reason"]]
+        assert sorted(finished) == [0, 1, 2, 3]
+
+
 def hit_rate(stats: list[dict]) -> float:
     """The cluster's prefix-cache hit rate: hit tokens over looked-up tokens, all replicas."""
     return sum(s["prefix_cache_hits"] for s in stats) / sum(s["prefix_cache_queries"] for s in stats)
@@ -87,6 +111,7 @@ def test_prefix_router_raises_the_hit_rate_and_still_spreads_load(cluster):
         args = {**SMALL_KV, "request_router": router, "engine_transport": transport}
         cluster.deploy(load_config("serve_multi_replica.yaml", args=args), 2)
         replicas = asyncio.run(run_conversations(32, 3, concurrency=8))
+        asyncio.run(check_completions_batches())
         shares = {r: replicas.count(r) / len(replicas) for r in set(replicas)}
         results[router] = (hit_rate(cluster.stats()), shares)
     print(results)
