@@ -98,15 +98,26 @@ def valid_unicode(value):
 
 
 class StreamOptions(RequestModel):
-    """OpenAI's ``stream_options`` and vLLM's ``continuous_usage_stats``; another key (OpenAI's
-    ``include_obfuscation``) is a 400 naming it, not ignored."""
+    """OpenAI's ``stream_options`` and vLLM's ``continuous_usage_stats``; another key is a 400
+    naming it, not ignored, and so is ``include_obfuscation: true``."""
 
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = Field(False, description="Send a last chunk with token usage.")
+    include_obfuscation: bool | None = Field(
+        None, description="OpenAI's random padding of stream events against side channels: not served, so "
+        "false (none) is accepted and true is a 400.")
     continuous_usage_stats: bool = Field(
         False, description="vLLM's: with include_usage, every chunk also carries the usage so far (a choice's "
         "chunk: that choice's completion tokens, its own included).")
+
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, value):
+        if value:
+            raise ValueError("true is not supported: stream events are not padded (send false or leave it out)")
+        return value
 
 
 class JsonSchemaFormat(RequestModel):
@@ -376,12 +387,15 @@ MAX_TOKEN_ID_DIGITS = 10
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
-    """OpenAI's token-id keys (decimal digits; not Python's int() syntax, which allows
-    spaces and underscores) as ints."""
-    bad = [k for k in bias or {} if not re.fullmatch(r"-?[0-9]{1,%d}" % MAX_TOKEN_ID_DIGITS, k)]
+    """OpenAI's token-id keys (decimal digits without leading zeros; not Python's int()
+    syntax, which allows spaces, underscores and leading zeros, so that "42" and "0042" would
+    be one token whose bias the later key silently replaced) as ints."""
+    pattern = r"0|-?[1-9][0-9]{0,%d}" % (MAX_TOKEN_ID_DIGITS - 1)
+    bad = [k for k in bias or {} if not re.fullmatch(pattern, k)]
     if bad:
         raise InvalidRequestError(f"logit_bias keys must be token ids (integers of at most "
-                                  f"{MAX_TOKEN_ID_DIGITS} digits); got {excerpt(bad[0])}", "logit_bias")
+                                  f"{MAX_TOKEN_ID_DIGITS} digits, without leading zeros); got "
+                                  f"{excerpt(bad[0])}", "logit_bias")
     return {int(k): v for k, v in (bias or {}).items()}
 
 
@@ -459,7 +473,9 @@ class ChatMessage(RequestModel):
     Raises:
         pydantic.ValidationError: ``content`` missing or null in a message other than an
             assistant's (OpenAI's rule; a misspelt ``contents`` is caught by it), an empty
-            array of parts, or a tool message without ``tool_call_id``.
+            array of parts, a tool message without ``tool_call_id``, or ``tool_calls`` in a
+            message other than an assistant's (the chat template would write them into the
+            prompt as calls that message made).
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -481,6 +497,15 @@ class ChatMessage(RequestModel):
         if value is None and role is not None and role != "assistant":
             raise ValueError(f"a {role} message needs content (a string or text parts); only an "
                              "assistant's may be null or left out")
+        return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls_of_an_assistant(cls, value, info):
+        role = info.data.get("role")
+        if value is not None and role is not None and role != "assistant":
+            raise ValueError(f"only an assistant message has tool_calls (the calls it made); this is a "
+                             f"{role} message")
         return value
 
     @field_validator("tool_call_id")

@@ -144,7 +144,12 @@ def _error_cases():
         ("bad chat role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
          400, "messages[0].role", None, "messages[0].role"),
         ("logit_bias key python would parse", "/v1/completions", {**ok, "logit_bias": {"1_0": 1}}, 400,
-         "logit_bias", None, "logit_bias keys must be token ids (integers of at most 10 digits); got '1_0'"),
+         "logit_bias", None, "logit_bias keys must be token ids (integers of at most 10 digits, without leading "
+         "zeros); got '1_0'"),
+        # a leading zero made a second key for one token, whose bias the later key replaced
+        ("logit_bias key with a leading zero", "/v1/completions", {**ok, "logit_bias": {"42": 100, "0042": -100}},
+         400, "logit_bias", None, "logit_bias keys must be token ids (integers of at most 10 digits, without "
+         "leading zeros); got '0042'"),
         ("token id out of range", "/v1/completions", {**ok, "prompt": [1, 2, 10**6]}, 400, "prompt[2]", None,
          "prompt[2]: token id 1000000 is outside the vocabulary [0, 49152)"),
         ("negative token id in a wrapped prompt", "/v1/completions", {**ok, "prompt": [[1, -1]]}, 400,
@@ -162,7 +167,18 @@ def _error_cases():
          "logprobs: Input should be a valid boolean"),
         ("stream_options key not served", "/v1/chat/completions",
          {**CHAT, "stream_options": {"include_obfuscation": True}}, 400, "stream_options.include_obfuscation",
-         None, "stream_options.include_obfuscation: Extra inputs are not permitted"),
+         None, "stream_options.include_obfuscation: true is not supported: stream events are not padded (send "
+         "false or leave it out)"),
+        ("stream_options key unknown", "/v1/chat/completions",
+         {**CHAT, "stream_options": {"include_usage": True, "include_usage_stats": True}}, 400,
+         "stream_options.include_usage_stats", None, "stream_options.include_usage_stats: Extra inputs are not "
+         "permitted"),
+        # rendered into the prompt as calls the user had made (a 200 with 24 more prompt tokens)
+        ("tool_calls in a user message", "/v1/chat/completions",
+         {**CHAT, "messages": [{"role": "user", "content": "x", "tool_calls": [
+             {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{}"}}]}]}, 400,
+         "messages[0].tool_calls", None, "messages[0].tool_calls: only an assistant message has tool_calls (the "
+         "calls it made); this is a user message"),
         ("max_completion_tokens 0", "/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400,
          "max_completion_tokens", None, "max_completion_tokens must be >= 1; got 0"),
         # a deeper one was a 500 (jsonschema's recursion; Ray's pickling)
@@ -171,7 +187,8 @@ def _error_cases():
                                                                                       nested_objects(100)}}]},
          400, "tools", None, "tools: nests objects and arrays more than 128 levels deep"),
         ("logit_bias key of 5000 digits", "/v1/completions", {**ok, "logit_bias": {"9" * 5000: 1}}, 400,
-         "logit_bias", None, "logit_bias keys must be token ids (integers of at most 10 digits)"),
+         "logit_bias", None, "logit_bias keys must be token ids (integers of at most 10 digits, without "
+         "leading zeros)"),
         # unknown keys in nested objects were ignored: a misspelt key answered an empty message
         # or left a call unconstrained (200s)
         ("misspelt content", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "contents": "Hi"}]},

@@ -4,6 +4,7 @@ client sent. The formatters' shapes that follow OpenAI where vLLM's docs are sil
 service: the models and formatters in-process (tests/app/test_errors.py sends the same
 mistakes over HTTP)."""
 import json
+import re
 
 import pydantic
 import pytest
@@ -55,9 +56,14 @@ def test_completion_values_keep_their_json_type(field, value, msg):
     ({"logit_bias": {"42": "5"}}, ("logit_bias", "42"), "Input should be a valid number"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, ("stream_options", "include_usage"),
      "Input should be a valid boolean"),
-    # a key OpenAI defines (include_obfuscation) and this server does not serve: refused, not ignored
+    # what OpenAI defines (include_obfuscation) and this server does not serve: refused, not ignored
     ({"stream": True, "stream_options": {"include_obfuscation": True}},
-     ("stream_options", "include_obfuscation"), "Extra inputs are not permitted"),
+     ("stream_options", "include_obfuscation"),
+     "Value error, true is not supported: stream events are not padded (send false or leave it out)"),
+    ({"stream": True, "stream_options": {"include_obfuscation": 0}},
+     ("stream_options", "include_obfuscation"), "Input should be a valid boolean"),
+    ({"stream": True, "stream_options": {"obfuscation": False}}, ("stream_options", "obfuscation"),
+     "Extra inputs are not permitted"),
     ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": "yes"}},
      ("stream_options", "continuous_usage_stats"), "Input should be a valid boolean"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
@@ -260,9 +266,25 @@ def test_a_logit_bias_key_too_long_for_a_token_id_names_the_field():
     with pytest.raises(InvalidRequestError) as error:
         request.sampling_params()
     assert error.value.param == "logit_bias"
-    assert str(error.value).startswith("logit_bias keys must be token ids (integers of at most 10 digits); got '999")
+    assert str(error.value).startswith("logit_bias keys must be token ids (integers of at most 10 digits, without "
+                                       "leading zeros); got '999")
     assert CompletionRequest.model_validate({**COMPLETION, "logit_bias": {"49151": 1}}).sampling_params().logit_bias \
         == {49151: 1.0}
+
+
+def test_logit_bias_keys_are_canonical_token_ids():
+    # "0042" and "42" were one token: one bias silently replaced the other
+    for key in ("0042", "00", "-0", "+42", " 42"):
+        request = CompletionRequest.model_validate({**COMPLETION, "logit_bias": {key: 1}})
+        with pytest.raises(InvalidRequestError, match=f"without leading zeros\\); got '{re.escape(key)}'"):
+            request.sampling_params()
+    request = CompletionRequest.model_validate({**COMPLETION, "logit_bias": {"0": 1, "42": -2, "1000000000": 3}})
+    assert request.sampling_params().logit_bias == {0: 1.0, 42: -2.0, 1000000000: 3.0}
+
+
+def test_include_obfuscation_false_asks_for_nothing_and_is_accepted():
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}}
+    assert ChatCompletionRequest.model_validate(body).sampling_params() is not None
 
 
 def _entry(token_id: int, logprob: float, rank: int) -> LogprobEntry:
