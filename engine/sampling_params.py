@@ -133,7 +133,8 @@ class SamplingParams:
             in [-2, 2].
         frequency_penalty: OpenAI's: subtracted per occurrence in the output; in [-2, 2].
         seed: seeds this request's own random draws, so that its output depends only on its
-            prompt, parameters and seed, whatever else shares the batch.
+            prompt, parameters and seed, whatever else shares the batch; in [-2**63, 2**63),
+            as vLLM's.
         stop: up to 16 strings that end generation; the text is cut before them.
         stop_token_ids: token ids that end generation (kept in the output ids).
         include_stop_str_in_output: keep the matched stop string in the text.
@@ -194,7 +195,8 @@ class SamplingParams:
                self.repetition_penalty)
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]", self.presence_penalty)
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
-        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "in [0, 2**63)", self.seed)
+        # vLLM's range (a signed 64-bit integer); request_generator hashes any of them
+        _check(self.seed is None or -2**63 <= self.seed < 2**63, "seed", "in [-2**63, 2**63)", self.seed)
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", ">= 1", self.max_tokens)
         _check(self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
                "min_tokens", f">= 0 and <= max_tokens ({self.max_tokens})", self.min_tokens)

@@ -26,6 +26,10 @@ def test_a_seed_repeats_alone_in_a_mixed_batch_and_on_a_rerun(llm):
     assert rerun.outputs[0].token_ids == alone.outputs[0].token_ids
     (other_seed,) = llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=43, max_tokens=24), use_tqdm=False)
     assert other_seed.outputs[0].token_ids != alone.outputs[0].token_ids
+    # vLLM's range is a signed 64-bit integer: a negative seed repeats too, and is a seed of its own
+    negative = SamplingParams(temperature=1.0, seed=-42, max_tokens=24)
+    first, second = (llm.generate(PROMPT, negative, use_tqdm=False)[0].outputs[0].token_ids for _ in range(2))
+    assert first == second and first != alone.outputs[0].token_ids
     assert_idle(llm)
 
 
@@ -130,7 +134,9 @@ def test_invalid_parameters_name_the_field_and_range():
              (dict(stop=[""]), "stop must be at most 16 non-empty strings"),
              (dict(stop=["ok", "\ud800"]), r"stop must be valid Unicode \(a lone surrogate has no UTF-8"),
              (dict(logit_bias={1: 101}), r"bias in \[-100, 100\]"),
-             (dict(min_tokens=5, max_tokens=4), r"min_tokens must be >= 0 and <= max_tokens \(4\)")]
+             (dict(min_tokens=5, max_tokens=4), r"min_tokens must be >= 0 and <= max_tokens \(4\)"),
+             (dict(seed=2**63), r"seed must be in \[-2\*\*63, 2\*\*63\)"),
+             (dict(seed=-2**63 - 1), r"seed must be in \[-2\*\*63, 2\*\*63\)")]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)
