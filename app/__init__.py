@@ -61,7 +61,8 @@ def request_router_config(config: AppConfig) -> RequestRouterConfig:
     return RequestRouterConfig(
         request_router_class=PrefixAwareRouter,
         request_router_kwargs={"block_size": config.block_size,
-                               "imbalanced_threshold": config.router_imbalanced_threshold})
+                               "imbalanced_threshold": config.router_imbalanced_threshold,
+                               "replica_capacity": config.engine_capacity})
 
 
 # The largest request an engine replica's gRPC server takes (Serve's interdeployment

@@ -10,13 +10,17 @@ The decision, per request (SGLang's cache-aware router and Ray Serve LLM's
 ``PrefixCacheAffinityRouter`` make the same trade-off between hits and balance):
 
 1. load imbalanced (the spread of the replicas' ongoing requests is over
-   ``imbalanced_threshold``): power of two choices, Serve's default;
-2. else the replicas with the longest matching prefix (at least one chunk);
-3. else (a new prefix) the least loaded replicas, and of those the ones that hold the fewest
-   prefixes.
+   ``imbalanced_threshold``), or no replica below ``replica_capacity``: power of two
+   choices, Serve's default;
+2. else, of the replicas below ``replica_capacity`` (the requests an engine replica holds
+   before it refuses one: a full replica is passed over, not sent a request it would refuse
+   while another has room), those with the longest matching prefix (at least one chunk);
+3. else (a new prefix) one of the least loaded of them, by rendezvous hashing of the prefix's
+   first chunk with each replica's id: a burst of new prefixes spreads over equally loaded
+   replicas, while the prompts of one new prefix go to the same one.
 
 Serve then takes the least loaded of the chosen replicas that has room, and falls back to a
-power-of-two pair of the others when none has.
+power-of-two pair of the others below capacity when none has.
 
 The router runs inside every ``DeploymentHandle`` of the engine deployment (each ingress
 replica has its own), so each ingress replica's index covers the requests it routed: with
@@ -27,7 +31,8 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections import Counter, OrderedDict
+import time
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from itertools import accumulate
 
@@ -42,6 +47,9 @@ from engine.block_manager import hash_block_tokens, root_hash
 BYTES_PER_TOKEN = 4
 # Chunks hashed per request: a match longer than this adds nothing to the choice of replica.
 MAX_PREFIX_CHUNKS = 256
+# Seconds after its hand-over that a request may still be on its way to its replica, not yet
+# in the replica's own count (it is sent as its caller wakes, in milliseconds).
+RECENT_S = 1.0
 
 
 def prefix_hashes(prompt: dict, cache_salt: str | None, block_size: int,
@@ -141,6 +149,12 @@ class PrefixIndex:
         del self._sizes[replica]
 
 
+def _rendezvous_weight(prefix_hash: bytes, replica_id: ReplicaID) -> bytes:
+    """Highest-random-weight (rendezvous) hashing, Thaler and Ravishankar 1998: each prefix
+    ranks the replicas in an order of its own, the same on every call."""
+    return hashlib.sha256(prefix_hash + replica_id.unique_id.encode()).digest()
+
+
 class PrefixAwareRouter(RequestRouter):
     """Ray Serve request router for the engine deployment (``request_router: prefix``):
     the longest prefix match while load is balanced, power of two choices when it is not.
@@ -150,16 +164,23 @@ class PrefixAwareRouter(RequestRouter):
     """
 
     def initialize_state(self, block_size: int = 16, imbalanced_threshold: int = 16,
-                         max_entries: int = 200_000) -> None:
+                         replica_capacity: int = 768, max_entries: int = 200_000) -> None:
         """Args:
             block_size: the engine's tokens per KV block (``EngineConfig.block_size``).
             imbalanced_threshold: ongoing requests between the most and the least loaded
                 replica beyond which the router balances load instead of matching prefixes.
+            replica_capacity: ongoing requests at which an engine replica is full
+                (``AppConfig.engine_capacity``: it refuses more with 503 ``overloaded``).
             max_entries: ``PrefixIndex``'s bound: (replica, chunk hash) pairs remembered.
         """
         self.block_size = block_size
         self.imbalanced_threshold = imbalanced_threshold
+        self.replica_capacity = replica_capacity
         self.index = PrefixIndex(max_entries)
+        # per replica: requests this router handed to it that have not finished, and when
+        # each of the last second's was handed over
+        self._in_flight: Counter[ReplicaID] = Counter()
+        self._handed: defaultdict[ReplicaID, deque[float]] = defaultdict(deque)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -170,18 +191,20 @@ class PrefixAwareRouter(RequestRouter):
         if not hashes or len(candidate_replicas) < 2:
             return [pair]
         loads = await self._queue_lens(candidate_replicas)
-        if not loads or max(loads.values()) - min(loads.values()) > self.imbalanced_threshold:
+        room = {i: load for i, load in loads.items() if load < self.replica_capacity}
+        if not room or max(loads.values()) - min(loads.values()) > self.imbalanced_threshold:
             return [pair]
         by_id = {r.replica_id: r for r in candidate_replicas}
-        matches = self.index.match(hashes, by_id)
+        matches = self.index.match(hashes, room)
         longest = max(matches.values())
         if longest > 0:
             preferred = [by_id[i] for i, n in matches.items() if n == longest]
-        else:  # a new prefix: least load, then the fewest prefixes held (spreads prefixes)
-            least = min((load, self.index.size(i)) for i, load in loads.items())
-            preferred = [by_id[i] for i, load in loads.items() if (load, self.index.size(i)) == least]
-        rest = [r for r in candidate_replicas if r not in preferred]
-        return [preferred, random.sample(rest, min(2, len(rest)))]
+        else:  # a new prefix: the least loaded, and of those the prefix's own (rendezvous)
+            least = min(room.values())
+            tied = [i for i, load in room.items() if load == least]
+            preferred = [by_id[max(tied, key=lambda i: _rendezvous_weight(hashes[0], i))]]
+        rest = [by_id[i] for i in room if by_id[i] not in preferred]
+        return [preferred, random.sample(rest, min(2, len(rest)))] if rest else [preferred]
 
     def _fulfill_next_pending_request(self, replica: RunningReplica,
                                       request_metadata: RequestMetadata | None = None) -> None:
@@ -200,7 +223,31 @@ class PrefixAwareRouter(RequestRouter):
                 self._record_queue_wait_time(pending)
                 pending.future.set_result(replica)
                 self._remove_pending_request_from_indices(pending)
+                self._in_flight[replica.replica_id] += 1
+                self._handed[replica.replica_id].append(time.monotonic())
+                self._num_recent(replica.replica_id)  # drops the older hand-overs
                 return
+
+    def decrement_queue_len_cache(self, replica_id: ReplicaID) -> None:
+        """Serve's hook as a request sent to the replica finishes, however it ends."""
+        super().decrement_queue_len_cache(replica_id)
+        if self._in_flight[replica_id] > 0:
+            self._in_flight[replica_id] -= 1
+
+    def on_new_queue_len_info(self, replica_id: ReplicaID, num_ongoing_requests: int) -> None:
+        """Serve's hook with the replica's own count: this router's count is cut to it and
+        the requests handed over within ``RECENT_S`` (still on their way), so that one that
+        never reached the replica (refused by Serve and retried, or its caller cancelled
+        before the send) does not count for ever."""
+        super().on_new_queue_len_info(replica_id, num_ongoing_requests)
+        self._in_flight[replica_id] = min(self._in_flight[replica_id],
+                                          num_ongoing_requests + self._num_recent(replica_id))
+
+    def _num_recent(self, replica_id: ReplicaID) -> int:
+        handed = self._handed[replica_id]
+        while handed and handed[0] < time.monotonic() - RECENT_S:
+            handed.popleft()
+        return len(handed)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         """Serve's hook once a request is sent: remember its prefix on that replica."""
@@ -213,10 +260,13 @@ class PrefixAwareRouter(RequestRouter):
         super().update_replicas(replicas)
         for replica_id in gone:
             self.index.remove(replica_id)
+            self._in_flight.pop(replica_id, None)
+            self._handed.pop(replica_id, None)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.index.remove(replica_id)
+        self._in_flight.pop(replica_id, None)
 
     def _hashes(self, pending_request: PendingRequest | None) -> list[bytes]:
         """The request's prefix hashes; none for calls other than ``generate(prompt,
@@ -228,7 +278,12 @@ class PrefixAwareRouter(RequestRouter):
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[ReplicaID, int]:
         """Ongoing requests per replica: Serve's cached queue lengths, probed where missing
-        (a replica that does not answer is left out)."""
+        (a replica that does not answer is left out), or where more, the requests this
+        router handed to it that have not finished. Serve's cache counts a request once it is
+        sent, and a replica's reply sets it to what that replica had then, but routing tasks
+        run between a hand-over and the send: in a burst every choice saw the loads from
+        before it (a trial: 12 requests at once went to a replica that held 8, and 4 were
+        refused beside an idle replica)."""
         loads, unknown = {}, []
         cache = self._replica_queue_len_cache
         for r in replicas:
@@ -240,4 +295,4 @@ class PrefixAwareRouter(RequestRouter):
         for r, queue_len in await self._probe_queue_lens(unknown, 0) if unknown else ():
             if queue_len is not None:
                 loads[r.replica_id] = queue_len
-        return loads
+        return {replica_id: max(load, self._in_flight[replica_id]) for replica_id, load in loads.items()}

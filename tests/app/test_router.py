@@ -75,6 +75,11 @@ class FakeReplica:
         return self.queue_len
 
 
+# How 300 new one-block prefixes fall on three equally loaded replicas by rendezvous hashing
+# (sha256: the same on every machine)
+RENDEZVOUS_300 = {"r1": 103, "r2": 89, "r3": 108}
+
+
 def _request(prompt: dict, salt: str | None = None) -> PendingRequest:
     return PendingRequest(args=[prompt, SamplingParams(cache_salt=salt)], kwargs={},
                           metadata=RequestMetadata(request_id="r", internal_request_id="r"))
@@ -114,12 +119,20 @@ def test_router_prefers_the_longest_match_while_balanced_else_least_load():
         _set_loads(router, replicas, [0, 3, 1])
         longer = _request({"prompt_token_ids": ids})
         assert _names(await router.choose_replicas(replicas, longer))[0] == ["r2"]
-        # Another salt is another prefix: least load again, and of equal loads the replica
-        # that holds fewer prefixes.
+        # Another salt is another prefix: least load again.
         salted = _request({"prompt_token_ids": ids}, salt="tenant-b")
         assert _names(await router.choose_replicas(replicas, salted))[0] == ["r1"]
+        # Of equal loads, the prefix's own replica (rendezvous hashing): the same one every
+        # time, whatever the replicas routed before (a replica with less history won every
+        # tie, so a burst of new prefixes all went to one replica: 36 of 36 in a trial).
         _set_loads(router, replicas, [0, 0, 0])
-        assert _names(await router.choose_replicas(replicas, salted))[0] == ["r1", "r3"]
+        (own,) = _names(await router.choose_replicas(replicas, salted))[0]
+        for _ in range(5):
+            assert _names(await router.choose_replicas(replicas, salted))[0] == [own]
+        chosen = []
+        for k in range(300):
+            chosen += _names(await router.choose_replicas(replicas, _request({"prompt_token_ids": [k] * 16})))[0]
+        assert {name: chosen.count(name) for name in ("r1", "r2", "r3")} == RENDEZVOUS_300
         # Imbalanced (spread 5 > 4): power of two choices, one rank of two random replicas.
         _set_loads(router, replicas, [0, 5, 1])
         ranks = await router.choose_replicas(replicas, longer)
@@ -129,6 +142,52 @@ def test_router_prefers_the_longest_match_while_balanced_else_least_load():
         # A replica that goes away takes its entries with it.
         router.update_replicas([replicas[0], replicas[2]])
         assert len(router.index) == 0
+
+    asyncio.run(main())
+
+
+def test_router_passes_over_a_full_replica_while_another_has_room():
+    """A replica at ``replica_capacity`` refuses more (503 overloaded): the prefix that it
+    holds goes to one with room instead (a trial: 4 of 12 refused beside an idle replica)."""
+    async def main():
+        replicas = [FakeReplica("r1"), FakeReplica("r2")]
+        router = await _router(replicas, block_size=16, replica_capacity=8)
+        held = _request({"prompt_token_ids": list(range(32))})
+        router.on_request_routed(held, replicas[0].replica_id, None)
+        _set_loads(router, replicas, [7, 0])
+        assert _names(await router.choose_replicas(replicas, held)) == [["r1"], ["r2"]]
+        _set_loads(router, replicas, [8, 0])  # full; within the imbalance threshold (16)
+        assert _names(await router.choose_replicas(replicas, held)) == [["r2"]]
+        _set_loads(router, replicas, [8, 8])  # both full: Serve's power of two choices
+        assert _names(await router.choose_replicas(replicas, held)) == [["r1", "r2"]]
+
+    asyncio.run(main())
+
+
+def test_a_burst_counts_the_requests_it_handed_over_before_they_are_sent():
+    """Routing tasks run between a hand-over and the send that updates Serve's queue-length
+    cache: the router counts what it handed over itself, so a burst for one prefix fills its
+    replica to capacity and no further (a trial: 12 at once went to a replica of 8)."""
+    async def main():
+        replicas = [FakeReplica("r1"), FakeReplica("r2")]
+        router = await _router(replicas, block_size=16, replica_capacity=4)
+        prompt = {"prompt_token_ids": list(range(32))}
+        router.on_request_routed(_request(prompt), replicas[0].replica_id, None)
+        _set_loads(router, replicas, [0, 0])  # stays so: nothing is sent here
+        burst = [_request(prompt) for _ in range(6)]
+        routing = [asyncio.ensure_future(router._choose_replica_for_request(r)) for r in burst]
+        done, _ = await asyncio.wait(routing, timeout=5)
+        assert len(done) == 6
+        chosen = [task.result().replica_id.unique_id for task in routing]
+        assert sorted(chosen) == ["r1"] * 4 + ["r2"] * 2, chosen
+        for _ in range(4):  # they finish: r1 has room again
+            router.decrement_queue_len_cache(replicas[0].replica_id)
+        assert _names(await router.choose_replicas(replicas, _request(prompt)))[0] == ["r1"]
+        # A replica's own count caps what the router counts beyond the last second's hand-overs
+        router._in_flight[replicas[1].replica_id] = 9
+        router._handed[replicas[1].replica_id].clear()
+        router.on_new_queue_len_info(replicas[1].replica_id, 1)
+        assert router._in_flight[replicas[1].replica_id] == 1
 
     asyncio.run(main())
 
@@ -177,8 +236,10 @@ def test_request_router_setting():
     two = AppConfig.load({"num_engine_replicas": 2, "request_router": "pow2"})
     assert request_router_config(two).is_default_request_router()
     prefix = request_router_config(AppConfig.load({"request_router": "prefix", "block_size": 32,
-                                                   "router_imbalanced_threshold": 3}))
+                                                   "router_imbalanced_threshold": 3, "max_num_seqs": 16,
+                                                   "max_waiting_requests": 8}))
     assert prefix.request_router_class == "app.router.PrefixAwareRouter"
-    assert prefix.request_router_kwargs == {"block_size": 32, "imbalanced_threshold": 3}
+    # a replica holds max_num_seqs running and max_waiting_requests waiting
+    assert prefix.request_router_kwargs == {"block_size": 32, "imbalanced_threshold": 3, "replica_capacity": 24}
     with pytest.raises(ValidationError, match="request_router"):
         AppConfig.load({"request_router": "round_robin"})
