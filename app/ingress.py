@@ -196,6 +196,7 @@ class OpenAIIngress:
         self.engine_stream = engine.options(stream=True, _by_reference=config.engine_transport == "ray")
         self.http_metrics = fastapi_app.state.http_metrics = HttpMetrics()
         self._max_body_bytes = config.max_request_body_bytes
+        self._max_model_len = config.max_model_len
         self._health = CachedCheck(self._check_health, HEALTH_CACHE_S)
         self._ready = CachedCheck(self._check_ready, READY_CACHE_S)
         self.admission = Admission(config.max_admitted_requests)
@@ -263,7 +264,7 @@ class OpenAIIngress:
     @fastapi_app.get("/v1/models")
     async def models(self):
         """OpenAI's model list: the one served model."""
-        return {"object": "list", "data": [self._model_card()]}
+        return {"object": "list", "data": [await self._model_card()]}
 
     @fastapi_app.get("/v1/models/{model:path}")
     async def model(self, model: str):
@@ -271,10 +272,17 @@ class OpenAIIngress:
         ``model_not_found`` for any other name."""
         if model != self.config.model_name:
             raise self._model_not_found(model)
-        return self._model_card()
+        return await self._model_card()
 
-    def _model_card(self) -> dict:
-        return {"id": self.config.model_name, "object": "model", "created": now(), "owned_by": "mini-infer"}
+    async def _model_card(self) -> dict:
+        """OpenAI's model object, with vLLM's ``max_model_len`` (prompt plus output tokens)
+        once an engine replica has told it (left out before, while the model still loads)."""
+        card = {"id": self.config.model_name, "object": "model", "created": now(), "owned_by": "mini-infer"}
+        try:
+            card["max_model_len"] = await self.max_model_len()
+        except OpenAIError:  # no engine replica yet: the list answers before the engine can serve
+            pass
+        return card
 
     def _model_not_found(self, model: str) -> OpenAIError:
         return OpenAIError(404, f"model {excerpt(model)} does not exist; this server serves "
@@ -333,22 +341,29 @@ class OpenAIIngress:
     # ---- helpers -------------------------------------------------------------------------
 
     async def max_body_bytes(self) -> int:
-        """The request-body limit (``AppConfig.max_body_bytes``), asking an engine replica
-        for ``max_model_len`` the first time when the setting leaves it to the model.
+        """The request-body limit (``AppConfig.max_body_bytes``).
+
+        Raises:
+            OpenAIError: 503 while no engine replica is running (``max_model_len``).
+        """
+        if self._max_body_bytes is None:
+            self._max_body_bytes = self.config.max_body_bytes(await self.max_model_len())
+        return self._max_body_bytes
+
+    async def max_model_len(self) -> int:
+        """The setting, or where it leaves it to the model, what an engine replica resolved
+        (asked once).
 
         Raises:
             OpenAIError: 503 while no engine replica is running.
         """
-        if self._max_body_bytes is None:
-            max_model_len = self.config.max_model_len
-            if max_model_len is None:
-                try:
-                    limits = await self.engine.broadcast("limits").results_async(timeout_s=HEALTH_TIMEOUT_S)
-                except Exception as exc:  # noqa: BLE001 - no engine replica to ask
-                    raise from_exception(exc) from exc
-                max_model_len = limits[0]["max_model_len"]
-            self._max_body_bytes = self.config.max_body_bytes(max_model_len)
-        return self._max_body_bytes
+        if self._max_model_len is None:
+            try:
+                limits = await self.engine.broadcast("limits").results_async(timeout_s=HEALTH_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - no engine replica to ask
+                raise from_exception(exc) from exc
+            self._max_model_len = limits[0]["max_model_len"]
+        return self._max_model_len
 
     async def _check_health(self) -> dict:
         # broadcast() reaches every running engine replica past Serve's queue (a full

@@ -155,6 +155,11 @@ def pytest_approx(value):
 def test_models_health_and_readiness(api, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    # vLLM's model card field: prompt plus output tokens, resolved from the model (no setting)
+    (card,) = requests.get(api.url + "/v1/models", timeout=10).json()["data"]
+    assert set(card) == {"id", "object", "created", "owned_by", "max_model_len"}
+    assert card["max_model_len"] == 8192
+    assert requests.get(api.url + f"/v1/models/{MODEL}", timeout=10).json()["max_model_len"] == 8192
     assert requests.get(api.url + "/health", timeout=10).json() == {"status": "ok"}
     assert requests.get(api.url + "/ready", timeout=60).json() == {"status": "ready"}
     replicas = requests.get(api.url + "/stats", timeout=10).json()["replicas"]
