@@ -149,6 +149,7 @@ KNOWN_FIELDS: list[KnownField] = [
     *_unsupported("structural_tag", "{}", note="use structured_outputs.structural_tag"),
     *_unsupported("use_beam_search", True, off=(None, False)),
     *_unsupported("length_penalty", 0.5, off=(None, 1.0), note="beam search only"),
+    *_unsupported("early_stopping", True, off=(None, False), note="beam search only"),
     *_unsupported("spaces_between_special_tokens", False, off=(None, True)),
     *_unsupported("truncate_prompt_tokens", 8),
     *_unsupported("prompt_logprobs", 1),
