@@ -111,7 +111,6 @@ class StreamOptions(RequestModel):
         False, description="vLLM's: with include_usage, every chunk also carries the usage so far (a choice's "
         "chunk: that choice's completion tokens, its own included).")
 
-
     @field_validator("include_obfuscation")
     @classmethod
     def _no_obfuscation(cls, value):
