@@ -224,8 +224,7 @@ class PrefixAwareRouter(RequestRouter):
                 pending.future.set_result(replica)
                 self._remove_pending_request_from_indices(pending)
                 self._in_flight[replica.replica_id] += 1
-                self._handed[replica.replica_id].append(time.monotonic())
-                self._num_recent(replica.replica_id)  # drops the older hand-overs
+                self._recent_hand_overs(replica.replica_id).append(time.monotonic())
                 return
 
     def decrement_queue_len_cache(self, replica_id: ReplicaID) -> None:
@@ -241,13 +240,14 @@ class PrefixAwareRouter(RequestRouter):
         before the send) does not count for ever."""
         super().on_new_queue_len_info(replica_id, num_ongoing_requests)
         self._in_flight[replica_id] = min(self._in_flight[replica_id],
-                                          num_ongoing_requests + self._num_recent(replica_id))
+                                          num_ongoing_requests + len(self._recent_hand_overs(replica_id)))
 
-    def _num_recent(self, replica_id: ReplicaID) -> int:
+    def _recent_hand_overs(self, replica_id: ReplicaID) -> deque[float]:
+        """When the last ``RECENT_S`` seconds' hand-overs to the replica were (older ones dropped)."""
         handed = self._handed[replica_id]
         while handed and handed[0] < time.monotonic() - RECENT_S:
             handed.popleft()
-        return len(handed)
+        return handed
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         """Serve's hook once a request is sent: remember its prefix on that replica."""
