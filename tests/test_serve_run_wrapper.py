@@ -38,7 +38,13 @@ FAKE_SERVE = textwrap.dedent(f"""\
             time.sleep(0.05)
     except KeyboardInterrupt:
         print("KeyboardInterrupt: shutting down", flush=True)
-        sys.exit(3)
+    deadline = time.monotonic() + 0.5  # a further SIGINT in this time is a line of its own
+    while time.monotonic() < deadline:
+        try:
+            time.sleep(0.01)
+        except KeyboardInterrupt:
+            print("KeyboardInterrupt again", flush=True)
+    sys.exit(3)
 """)
 
 
@@ -60,13 +66,15 @@ def _start(tmp_path: Path, ignore_sigint: bool, env: dict | None = None, stderr=
                             cwd=ROOT)
 
 
-def _stop_with_sigterm(wrapper: subprocess.Popen) -> tuple[int, list[str]]:
-    """SIGTERM to the wrapper once the stand-in runs; returns the wrapper's exit status and
-    the stand-in's lines (its pid left out). Its first two lines are read here, line by line:
-    communicate() reads the pipe itself, past what readline() holds in its buffer."""
+def _stop_with_sigterm(wrapper: subprocess.Popen, times: int = 1) -> tuple[int, list[str]]:
+    """SIGTERM to the wrapper (``times`` times, one right after the other) once the stand-in
+    runs; returns the wrapper's exit status and the stand-in's lines (its pid left out). Its
+    first two lines are read here, line by line: communicate() reads the pipe itself, past
+    what readline() holds in its buffer."""
     pid, first = wrapper.stdout.readline().split(" ", 1)
     files = wrapper.stdout.readline()  # the same write as the first line
-    wrapper.send_signal(signal.SIGTERM)
+    for _ in range(times):
+        wrapper.send_signal(signal.SIGTERM)
     try:
         rest, _ = wrapper.communicate(timeout=20)
     except subprocess.TimeoutExpired:
@@ -89,6 +97,22 @@ def test_sigterm_reaches_serve_run_as_one_sigint(tmp_path):
     assert not os.path.exists(folder)
     assert lines[2:] == ["KeyboardInterrupt: shutting down"]
     assert returncode == 3  # serve run's own status
+
+
+def test_signals_less_than_a_second_apart_are_one_stop(tmp_path):
+    """`kill -TERM -- -<pgid>` reaches the wrapper twice (directly, and through make) a few
+    milliseconds apart: one stop, one SIGINT for serve run. The wrapper took the second for a
+    second stop, which ends the requests in flight at once, in 1 of ~20 runs of
+    tests/e2e/test_serve_signals.py's group stop: its handler was run again between two of
+    its own statements."""
+    wrapper = _wrapper_module()
+    assert wrapper.SAME_STOP_S == 1.0
+    assert [wrapper.stops_asked(times) for times in ([], [5.0], [5.0, 5.003], [5.003, 5.0], [5.0, 5.5, 5.9])] == [
+        0, 1, 1, 1, 1]
+    assert wrapper.stops_asked([5.0, 5.5, 6.0]) == 2  # a second from the first signal of the stop
+    assert wrapper.stops_asked([5.0, 6.5, 6.6, 8.0, 7.4]) == 3
+    returncode, lines = _stop_with_sigterm(_start(tmp_path, ignore_sigint=False), times=2)
+    assert lines[2:] == ["KeyboardInterrupt: shutting down"] and returncode == 3
 
 
 def test_the_environment_decides_serves_settings(tmp_path):
