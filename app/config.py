@@ -9,11 +9,13 @@ the description), so that a setting added there appears here too.
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import os
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from engine.config import EngineConfig, engine_args
@@ -52,6 +54,10 @@ INGRESS_HEADROOM = 1024
 # generations (a 503 "unhealthy" after 5 s, /stats after 9.7 s, in a trial). Each takes
 # milliseconds; the ingress shares one /health probe among its callers.
 ENGINE_CONTROL_HEADROOM = 16
+
+
+# An origin as browsers send it in ``Origin`` (RFC 6454 section 6.1): scheme://host[:port].
+_ORIGIN = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s?#]+")
 
 
 class ServiceSettings(BaseModel):
@@ -100,6 +106,37 @@ class ServiceSettings(BaseModel):
     request_body_timeout_s: float = Field(
         30.0, gt=0, description="Seconds the ingress waits for the next part of a request body "
         "before it answers 408 (a stalled or truncated upload).")
+
+    allowed_origins: list[str] = Field(
+        ["*"], description="Origins whose browser pages may call the API and read its answers "
+        "(CORS; vLLM's --allowed-origins): `*` is any origin (the default, as vLLM's), else a JSON list or "
+        "comma-separated `scheme://host[:port]`; empty: no CORS headers, so only pages served from this "
+        "service's own origin can read its answers.")
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _origins_from_text(cls, value: Any) -> Any:
+        """An environment variable's or ``serve run`` argument's text: a JSON list, or
+        origins separated by commas."""
+        if not isinstance(value, str):
+            return value
+        if value.strip().startswith("["):
+            try:
+                return json.loads(value)
+            except ValueError as exc:  # pydantic reports it for the field
+                raise ValueError(f"not a JSON list of origins ({exc})") from None
+        return [origin.strip() for origin in value.split(",") if origin.strip()]
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        """Each ``*`` or an origin as a browser's ``Origin`` header has it (RFC 6454): one
+        with a path or a trailing slash would never match."""
+        for origin in origins:
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(f"{origin!r} is not an origin: `*` or scheme://host[:port], without a path or "
+                                 "a trailing slash")
+        return origins
 
     @model_validator(mode="after")
     def _valid_engine_config(self):

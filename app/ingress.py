@@ -202,7 +202,7 @@ class OpenAIIngress:
         self.admission = Admission(config.max_admitted_requests)
         install_middleware(fastapi_app, api_key=config.api_key, admission=self.admission,
                            max_body_bytes=self.max_body_bytes,
-                           body_timeout_s=config.request_body_timeout_s)
+                           body_timeout_s=config.request_body_timeout_s, allowed_origins=config.allowed_origins)
 
     # ---- OpenAI endpoints ----------------------------------------------------------------
 

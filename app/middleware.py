@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from ray.exceptions import TaskCancelledError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -66,11 +67,18 @@ class HeadAsGet:
 
 
 def install_middleware(app: FastAPI, api_key: str | None, admission: Admission,
-                       max_body_bytes: Callable[[], Awaitable[int]], body_timeout_s: float) -> None:
-    """Add the rules above to ``app``; the arguments are ``RequestGuard``'s.
+                       max_body_bytes: Callable[[], Awaitable[int]], body_timeout_s: float,
+                       allowed_origins: list[str] = ()) -> None:
+    """Add the rules above to ``app``; ``allowed_origins`` is for CORS, the other arguments
+    are ``RequestGuard``'s.
 
     A request meets them in this order (Starlette runs the last added first):
 
+    0. With ``allowed_origins``, Starlette's ``CORSMiddleware`` (any method and header, no
+       credentials, as vLLM's defaults): it answers a browser's preflight ``OPTIONS`` itself,
+       before the API key, which browsers never send in one, and adds
+       ``Access-Control-Allow-Origin`` to every answer, refusals included, so that a page can
+       read the error. Without it, no CORS header (a page of another origin reads nothing).
     1. ``DisconnectAsMessage``: every later ``receive`` (the guard's body limit, FastAPI's
        body read) sees a client's leaving as ``http.disconnect``, not as Serve's exception.
     2. ``HeadAsGet``: the rules after it see a HEAD as the GET it stands for, and whatever
@@ -85,3 +93,6 @@ def install_middleware(app: FastAPI, api_key: str | None, admission: Admission,
                        max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     app.add_middleware(HeadAsGet)
     app.add_middleware(DisconnectAsMessage)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])

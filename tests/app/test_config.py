@@ -31,6 +31,23 @@ def test_unknown_and_invalid_settings_name_the_field():
         AppConfig.load({"stream_batching_interval_ms": -1})
 
 
+def test_allowed_origins_from_text_and_an_origin_that_would_never_match_is_refused(monkeypatch):
+    """CORS origins (vLLM's --allowed-origins): ``*`` by default, as vLLM's; a JSON list or
+    commas in an environment variable or argument; empty turns CORS off. An origin with a
+    path or a trailing slash never equals a browser's ``Origin`` header: an error, not a
+    setting that silently allows nothing."""
+    assert AppConfig.load().allowed_origins == ["*"]
+    monkeypatch.setenv("MINI_INFER_ALLOWED_ORIGINS", "http://a.example, https://b.example:8443")
+    assert AppConfig.load().allowed_origins == ["http://a.example", "https://b.example:8443"]
+    assert AppConfig.load({"allowed_origins": '["http://c.example"]'}).allowed_origins == ["http://c.example"]
+    assert AppConfig.load({"allowed_origins": ""}).allowed_origins == []
+    with pytest.raises(ValidationError, match=r"allowed_origins\n  Value error, 'http://a.example/' is not an "
+                                              r"origin: `\*` or scheme://host\[:port\], without a path"):
+        AppConfig.load({"allowed_origins": "http://a.example/"})
+    with pytest.raises(ValidationError, match=r"allowed_origins\n  Value error, not a JSON list of origins"):
+        AppConfig.load({"allowed_origins": '["http://a.example"'})
+
+
 def test_an_unknown_mini_infer_variable_is_an_error_with_the_closest_name(monkeypatch):
     """A misspelt MINI_INFER_API_KEY must not leave the service open without a word."""
     monkeypatch.setenv("MINI_INFER_API_KEYS", "secret-value")

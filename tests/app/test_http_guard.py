@@ -28,9 +28,9 @@ class Body(BaseModel):
 
 
 def make_app(api_key: str | None = KEY, body_timeout_s: float = 5.0,
-             admission: Admission | None = None, all_rules: bool = False) -> FastAPI:
+             admission: Admission | None = None, all_rules: bool = False, allowed_origins: list[str] = ()) -> FastAPI:
     """The routes below behind ``RequestGuard``, or with ``all_rules`` behind every rule of
-    the service (``install_middleware``)."""
+    the service (``install_middleware``, with ``allowed_origins`` for CORS)."""
     app = FastAPI()
     admission = admission or Admission(limit=100)
     install_error_handlers(app)
@@ -60,7 +60,7 @@ def make_app(api_key: str | None = KEY, body_timeout_s: float = 5.0,
 
     if all_rules:
         install_middleware(app, api_key=api_key, admission=admission, max_body_bytes=limit,
-                           body_timeout_s=body_timeout_s)
+                           body_timeout_s=body_timeout_s, allowed_origins=allowed_origins)
     else:
         app.add_middleware(RequestGuard, api_key=api_key, admission=admission, max_body_bytes=limit,
                            body_timeout_s=body_timeout_s)
@@ -268,3 +268,52 @@ def test_the_api_key_is_checked_before_the_content_type():
     assert (status, num_read, _error(body)["code"]) == (401, 0, "invalid_api_key")
     status, _, body, num_read = call(app, "POST", "/v1/completions", {**plain, **AUTH}, OK_BODY)
     assert (status, num_read, _error(body)["code"]) == (400, 0, "unsupported_content_type")
+
+
+PAGE = {"Origin": "http://page.example:3000"}
+PREFLIGHT = {**PAGE, "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
+
+
+def _cors(headers: dict) -> dict:
+    return {k.decode(): v.decode() for k, v in headers.items() if k.startswith(b"access-control-") or k == b"vary"}
+
+
+def test_cors_any_origin_answers_the_preflight_before_the_key_and_marks_every_answer():
+    """vLLM's default (``allowed_origins`` ``*``): a browser's preflight, which never carries
+    the API key, is answered 200 before the key is asked for; the answers that follow,
+    refusals included, carry ``Access-Control-Allow-Origin`` so that the page can read them.
+    A request without ``Origin`` (not from a browser page) gets no ``Allow-Origin``."""
+    app = make_app(all_rules=True, allowed_origins=["*"])
+    status, headers, body, _ = call(app, "OPTIONS", "/v1/completions", PREFLIGHT)
+    assert (status, body) == (200, b"OK")
+    cors = _cors(headers)
+    # any method: Starlette lists them all
+    assert {"POST", "GET", "OPTIONS"} <= set(cors.pop("access-control-allow-methods").split(", "))
+    assert cors.pop("vary").startswith("Origin")
+    assert cors == {"access-control-allow-origin": "*", "access-control-max-age": "600",
+                    "access-control-allow-headers": "authorization, content-type"}
+    status, headers, body, _ = call(app, "POST", "/v1/completions", PAGE, OK_BODY)
+    page_reads = {"access-control-allow-origin": "*", "vary": "Origin"}
+    assert (status, _error(body)["code"], _cors(headers)) == (401, "invalid_api_key", page_reads)
+    status, headers, body, _ = call(app, "POST", "/v1/completions", {**PAGE, **AUTH}, OK_BODY)
+    assert (status, json.loads(body), _cors(headers)) == (200, {"length": 2}, page_reads)
+    assert "access-control-allow-origin" not in _cors(call(app, "POST", "/v1/completions", AUTH, OK_BODY)[1])
+
+
+def test_cors_for_listed_origins_only_and_none_without_the_setting():
+    app = make_app(all_rules=True, allowed_origins=["http://page.example:3000"])
+    status, headers, _, _ = call(app, "OPTIONS", "/v1/completions", PREFLIGHT)
+    assert (status, _cors(headers)["access-control-allow-origin"]) == (200, "http://page.example:3000")
+    status, headers, body, _ = call(app, "GET", "/stats", {**PAGE, **AUTH})
+    assert (status, _cors(headers)) == (200, {"access-control-allow-origin": "http://page.example:3000",
+                                              "vary": "Origin"})
+    other = {"Origin": "http://other.example", "Access-Control-Request-Method": "POST"}
+    status, headers, body, _ = call(app, "OPTIONS", "/v1/completions", other)
+    assert (status, body, "access-control-allow-origin" in _cors(headers)) == (400, b"Disallowed CORS origin", False)
+    status, headers, _, _ = call(app, "GET", "/stats", {**other, **AUTH})  # answered, but the page cannot read it
+    assert (status, "access-control-allow-origin" in _cors(headers)) == (200, False)
+    app = make_app(all_rules=True)  # allowed_origins empty: no CORS at all, as before the setting
+    status, headers, body, _ = call(app, "OPTIONS", "/v1/completions", PREFLIGHT)
+    assert (status, _error(body)["code"], _cors(headers)) == (401, "invalid_api_key", {})
+    assert _cors(call(app, "GET", "/stats", {**PAGE, **AUTH})[1]) == {}

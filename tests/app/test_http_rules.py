@@ -1,5 +1,5 @@
-"""Rules every route follows: HEAD answered like GET without a body, and a body that is not
-sent as JSON refused with a message about its Content-Type."""
+"""Rules every route follows: HEAD answered like GET without a body, a body that is not
+sent as JSON refused with a message about its Content-Type, and CORS for browser pages."""
 import pytest
 import requests
 
@@ -17,6 +17,24 @@ def test_every_get_endpoint_answers_head_with_an_empty_body(api):
         assert (path, get.status_code, head.status_code) == (path, 200, 200), (get.text, head.text)
         assert head.content == b"", path
         assert head.headers["content-type"] == get.headers["content-type"], path
+
+
+def test_a_browser_page_of_another_origin_can_call_the_api(api):
+    """CORS as vLLM's defaults (any origin): through the service's front (HAProxy under
+    ``make run``) a preflight gets 200 and the answers carry ``Access-Control-Allow-Origin``,
+    streamed ones too (tests/app/test_http_guard.py has the rules themselves)."""
+    page = {"Origin": "http://page.example:3000"}
+    preflight = requests.options(api.url + "/v1/chat/completions", timeout=30, headers={
+        **page, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+    assert (preflight.status_code, preflight.headers["access-control-allow-origin"],
+            preflight.headers["access-control-allow-headers"]) == (200, "*", "content-type")
+    for stream in (False, True):
+        answer = requests.post(api.url + "/v1/chat/completions", headers=page, timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": stream})
+        assert (answer.status_code, answer.headers["access-control-allow-origin"]) == (200, "*"), answer.text
+    refused = requests.post(api.url + "/v1/chat/completions", headers=page, timeout=30,
+                            json={"model": MODEL, "messages": []})
+    assert (refused.status_code, refused.headers["access-control-allow-origin"]) == (400, "*")
 
 
 def test_head_on_a_post_endpoint_is_still_405(api):
