@@ -26,7 +26,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal
-from typing import Sequence
+from typing import Any, Sequence
 
 import pydantic
 import torch
@@ -56,9 +56,9 @@ def grammar_of(params: StructuredOutputsParams) -> xgr.Grammar:
     any_whitespace = not params.disable_any_whitespace
     try:
         if kind == "json":
-            check_enforceable(json.loads(value) if isinstance(value, str) else value)
-            schema = value if isinstance(value, str) else json.dumps(value)
-            return xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+            schema = json.loads(value) if isinstance(value, str) else value
+            check_enforceable(schema)
+            return xgr.Grammar.from_json_schema(json.dumps(with_exact_formats(schema)), any_whitespace=any_whitespace)
         if kind == "json_object":  # any object: not strict, or {"type": "object"} allows only {}
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace,
                                                 strict_mode=False)
@@ -69,8 +69,9 @@ def grammar_of(params: StructuredOutputsParams) -> xgr.Grammar:
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
         if kind == "grammar":
             return xgr.Grammar.from_ebnf(value)
-        check_structural_tag(json.loads(value))
-        return xgr.Grammar.from_structural_tag(value)
+        tag = json.loads(value)
+        check_structural_tag(tag)
+        return xgr.Grammar.from_structural_tag(json.dumps(with_exact_formats(tag, in_tag=True)))
     except (RuntimeError, ValueError, TypeError, pydantic.ValidationError) as exc:
         raise InvalidRequestError(f"structured_outputs.{kind}: {_reason(exc)}",
                                   f"structured_outputs.{kind}") from None
@@ -88,6 +89,42 @@ UNENFORCED_KEYWORDS = frozenset({"contains", "minContains", "maxContains", "depe
 ENFORCED_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
                               "uri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer"})
 UNCHECKED_FORMATS = frozenset({"regex", "idn-email", "idn-hostname", "iri", "iri-reference"})
+# Formats whose xgrammar grammar lets through strings the format forbids, each as a pattern
+# that does not (compiled in its place by with_exact_formats): xgrammar 0.2's "date" takes any
+# day 01-31 in any month ("2022-02-30", "2023-02-29"), and so does "date-time"'s date; its
+# "ipv4" takes leading zeros ("012.034.056.078"), which JSON Schema's test suite and Python's
+# ipaddress refuse (they read as octal elsewhere). Dates follow RFC 3339 section 5.6 with the
+# Gregorian leap years of its appendix C; a date-time's "T", "Z" and leap second 60 as there.
+_DAY = ("([0-9]{4}-((0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])|(0[13-9]|1[0-2])-(29|30)|(0[13578]|1[02])-31)"
+        "|([0-9]{2}(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00)-02-29)")
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+EXACT_FORMATS = {
+    "date": f"^{_DAY}$",
+    "date-time": (f"^{_DAY}[Tt]([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\\.[0-9]+)?"
+                  "([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])$"),
+    "ipv4": f"^({_OCTET}\\.){{3}}{_OCTET}$",
+}
+# Where a schema holds data, not schemas: a "format" there is a value, left as it is.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def with_exact_formats(schema: Any, in_tag: bool = False) -> Any:
+    """``schema`` with each ``"format"`` of ``EXACT_FORMATS`` replaced by its ``"pattern"``
+    (a copy; ``schema`` itself is unchanged). ``check_enforceable`` has refused a format
+    beside a pattern or a length already, so the pattern is the object's only string check.
+    With ``in_tag``, ``schema`` is a structural tag: the JSON schemas inside it are changed."""
+    if isinstance(schema, list):
+        return [with_exact_formats(item, in_tag) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    if in_tag:
+        return {key: with_exact_formats(value, in_tag=key != "json_schema") for key, value in schema.items()}
+    copy = {key: value if key in _DATA_KEYWORDS else with_exact_formats(value) for key, value in schema.items()}
+    fmt = schema.get("format")
+    if isinstance(fmt, str) and fmt in EXACT_FORMATS and "pattern" not in schema:
+        del copy["format"]
+        copy["pattern"] = EXACT_FORMATS[fmt]
+    return copy
 # In one schema object xgrammar applies "$ref" above all, then "enum" / "const", then a
 # combinator (json_schema.COMBINATORS), and ignores every other assertion there.
 # JSON Schema 2020-12's assertion and applicator keywords (+ draft 7's "dependencies" and

@@ -534,6 +534,57 @@ def test_keywords_xgrammar_enforces_are_compiled(schema, value):
     assert not _is_grammar_accept_string(grammar, json.dumps(value))
 
 
+def _valid_date(text: str) -> bool:
+    import datetime
+    try:
+        datetime.date.fromisoformat(text)
+    except ValueError:
+        return False
+    return len(text) == 10
+
+
+def _valid_ipv4(text: str) -> bool:
+    import ipaddress
+    try:
+        return isinstance(ipaddress.ip_address(text), ipaddress.IPv4Address)
+    except ValueError:
+        return False
+
+
+# (format, values its grammar must take, values it must refuse): a trial found xgrammar's own
+# "date" taking "2022-02-30" (any day 01-31 in any month; so did "date-time"'s date) and its
+# "ipv4" taking "012.034.056.078"; they are compiled as EXACT_FORMATS' patterns now.
+FORMAT_CASES = [
+    ("date", ["2022-12-31", "2022-04-30", "0001-01-01", "2000-02-29", "2024-02-29", "2400-02-29"],
+     ["2022-02-30", "2021-04-31", "2022-11-31", "2023-02-29", "1900-02-29", "2100-02-29", "2022-13-01", "2022-1-01"]),
+    ("date-time", ["2022-01-01T00:00:00Z", "2022-01-01t00:00:00.123+05:30", "2024-02-29T23:59:59-00:00",
+                   "2016-12-31T23:59:60z"],
+     ["2022-02-30T00:00:00Z", "2023-02-29T12:00:00Z", "2022-01-01T24:00:00Z", "2022-01-01T00:00:00+24:00",
+      "2022-01-01T00:00:00"]),
+    ("ipv4", ["0.0.0.0", "255.255.255.255", "10.0.0.1", "192.168.1.100", "1.20.199.249"],
+     ["012.034.056.078", "00.00.0.0", "1.2.3.04", "256.1.1.1", "1.2.3"]),
+]
+
+
+@pytest.mark.parametrize("fmt, good, bad", FORMAT_CASES, ids=[case[0] for case in FORMAT_CASES])
+def test_dates_and_ipv4_addresses_are_checked_in_full(fmt, good, bad):
+    from xgrammar.testing import _is_grammar_accept_string
+    oracle = {"date": _valid_date, "ipv4": _valid_ipv4}.get(fmt)  # Python's own reading, where it has one
+    assert oracle is None or ([oracle(v) for v in good + bad] == [True] * len(good) + [False] * len(bad))
+    schema = {"type": "object", "properties": {"v": {"type": ["string", "null"], "format": fmt}}, "required": ["v"]}
+    grammar = grammar_of(StructuredOutputsParams(json=schema))
+    assert [v for v in good if not _is_grammar_accept_string(grammar, json.dumps({"v": v}))] == []
+    assert [v for v in bad if _is_grammar_accept_string(grammar, json.dumps({"v": v}))] == []
+    assert _is_grammar_accept_string(grammar, '{"v": null}')
+
+
+def test_a_format_inside_data_is_left_as_it_is():
+    from xgrammar.testing import _is_grammar_accept_string
+    value = {"format": "date", "at": "2022-02-30"}
+    grammar = grammar_of(StructuredOutputsParams(json={"const": value}))
+    assert _is_grammar_accept_string(grammar, json.dumps(value, separators=(",", ":")))  # xgrammar's const: compact
+
+
 def _tag(schema: dict, **options) -> str:
     """A structural tag: free text, then "<f>" + a JSON value of ``schema`` + "</f>"."""
     return json.dumps({"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f>"], "tags": [
@@ -547,6 +598,9 @@ def test_a_structural_tags_schema_is_enforced():
         {"type": "object", "properties": {"n": {"type": "integer", "maximum": 5}}, "required": ["n"]})))
     assert _is_grammar_accept_string(grammar, 'Calling <f>{"n": 3}</f>')
     assert not _is_grammar_accept_string(grammar, 'Calling <f>{"n": 7}</f>')
+    grammar = grammar_of(StructuredOutputsParams(structural_tag=_tag({"type": "string", "format": "date"})))
+    assert _is_grammar_accept_string(grammar, 'On <f>"2024-02-29"</f>')  # EXACT_FORMATS' pattern here too
+    assert not _is_grammar_accept_string(grammar, 'On <f>"2022-02-30"</f>')
 
 
 @pytest.mark.parametrize("tag, text, message", [
