@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.sampling_params import RequestOutputKind
 from engine.scheduler_output import SampledToken
 
@@ -77,7 +77,15 @@ class OutputProcessor:
             sequence.cumulative_logprob += token.logprob
             sequence.output_logprobs.append(self._logprob_dict(token))
         detokenizer = self._detokenizer(state, sequence)
-        return None if detokenizer is None else detokenizer.step(token.token_id)
+        if detokenizer is None:
+            return None
+        stop_token = sequence.status is RequestStatus.FINISHED_STOPPED
+        if stop_token and not sequence.sampling_params.include_stop_str_in_output:
+            # EOS or one of stop_token_ids ended it (the scheduler has finished it already; a stop
+            # string is found below, after this): its id is in token_ids, its text is not in the
+            # output, as in vLLM V1's detokenizer ("<|im_end|>" with skip_special_tokens false)
+            return None
+        return detokenizer.step(token.token_id)
 
     def mark_finished(self, sequence: Request) -> None:
         """Note a sequence that ended without a new token (abort, error)."""
