@@ -12,8 +12,8 @@ with a compiler other than GCC), without ``-march``: the build does not depend o
 host's CPU, and each call runs the best kernels the running CPU supports (``supported_isas``),
 or the ones a caller names, or else the ones ``$MINI_INFER_CPU_ISA`` names (e.g.
 ``MINI_INFER_CPU_ISA=avx2 python -m engine generate ...`` runs the engine on the AVX2 kernels
-of a CPU with AVX-512). The extension's name carries a hash of its sources, so a build cache
-never serves an older build.
+of a CPU with AVX-512). The extension's name carries a hash of its sources and of the Python
+environment, so a build cache never serves an older build, nor one for another environment.
 
 It is compiled on first use with ``torch.utils.cpp_extension`` (g++ and ninja, about a minute)
 and cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``);
@@ -42,10 +42,16 @@ BUILD_LDFLAGS = ["-fopenmp"]
 
 
 def extension_name() -> str:
-    """``mini_infer_cpu_attention_<hash>``: 12 hex digits of SHA-256 over every file in ``csrc``."""
+    """``mini_infer_cpu_attention_<hash>``: 12 hex digits of SHA-256 over every file in
+    ``csrc`` and over the environment it builds against (the Python environment's prefix,
+    torch's version and directory). Two environments on one machine (a checkout's ``.venv``
+    and a clone's) share the build cache: with one name, each rebuilt it over the other's
+    (torch rebuilds where the include paths in ``build.ninja`` change), about 70 s at each
+    engine start that alternated between them (a trial's finding)."""
     digest = hashlib.sha256()
     for path in sorted(p for p in _CSRC.iterdir() if p.is_file()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update("\0".join([sys.prefix, torch.__version__, os.path.dirname(torch.__file__)]).encode())
     return f"mini_infer_cpu_attention_{digest.hexdigest()[:12]}"
 
 

@@ -8,6 +8,7 @@ new K/V against the reference's."""
 import functools
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -301,6 +302,14 @@ def test_extension_name_changes_with_the_source(tmp_path, monkeypatch):
     before = cpu_attention.extension_name()
     header = tmp_path / "csrc" / "vec_avx2.h"
     header.write_text(header.read_text() + "// changed\n")
+    assert cpu_attention.extension_name() != before
+
+
+def test_extension_name_changes_with_the_python_environment(monkeypatch):
+    """A clone's own .venv beside the checkout's builds under a name of its own: with one
+    name, each environment's engine start rebuilt the other's build (~70 s)."""
+    before = cpu_attention.extension_name()
+    monkeypatch.setattr(sys, "prefix", sys.prefix + "-clone")
     assert cpu_attention.extension_name() != before
 
 
