@@ -418,6 +418,8 @@ class LLMEngine:
             elif request.grammar.error is not None:
                 self._finish_requests([request.request_id], RequestStatus.FINISHED_ERROR,
                                       request.grammar.error)
+        if any(request.status.is_finished for request in self._compiling):  # some left while compiling
+            self._structured_outputs.cancel_unwanted({request.grammar.future for request in still})
         self._compiling = still
 
     def _fail_sequence(self, sequence: Request, error: str, param: str | None = None) -> None:

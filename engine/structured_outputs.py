@@ -5,9 +5,11 @@ each step's token bitmask.
   xgrammar ``Grammar`` at once (cheap, no tokenizer: an invalid schema, regex or grammar is
   a ``ValueError`` when the request is added), then compiles it against the tokenizer on a
   worker thread (the expensive part: a token mask cache over the vocabulary), so that a
-  slow compile holds back its own request only. Compiled grammars are kept in an LRU cache
-  keyed by the constraint; requests with the same constraint share one compile, even while
-  it runs.
+  slow compile holds back its own requests only: one worker compiles the usual constraints,
+  another those over ``LARGE_CONSTRAINT_CHARS``, each in order, and a compile that no request
+  waits for any more is dropped before it starts (``cancel_unwanted``). Compiled grammars are
+  kept in an LRU cache keyed by the constraint; requests with the same constraint share one
+  compile, even while it runs.
 - ``SequenceGrammar`` is one sequence's matcher: it accepts each sampled token; forks of a
   request with ``n > 1`` fork their parent's matcher before it accepts its own token.
 - ``GrammarBitmask`` fills the bitmasks of a step's constrained rows in one batched call
@@ -22,7 +24,9 @@ import json
 import math
 import os
 import re
+import threading
 from collections import OrderedDict
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal
@@ -38,6 +42,12 @@ from engine.sampling_params import StructuredOutputsParams
 from engine.scheduler_output import SamplingRow
 
 GRAMMAR_CACHE_SIZE = 128  # distinct constraints kept compiled, least recently used dropped first
+# Constraints whose text is longer than this compile on a worker of their own, so that a
+# huge schema does not hold back everyone else's: a trial's 715 KB schema (4,000 properties
+# of 20-value enums) compiled for 119 s, and a new regex waited behind it all that time. The
+# schemas and regexes requests usually send are a few KB at most and compile in milliseconds
+# to a second.
+LARGE_CONSTRAINT_CHARS = 32 * 1024
 # xgrammar's threads for one compile and for one step's bitmasks: half the cores (the
 # forward's torch threads run beside them), at most 8 (its own default).
 _NUM_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
@@ -104,8 +114,6 @@ EXACT_FORMATS = {
                   "([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])$"),
     "ipv4": f"^({_OCTET}\\.){{3}}{_OCTET}$",
 }
-# Where a schema holds data, not schemas: a "format" there is a value, left as it is.
-_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 
 
 def with_exact_formats(schema: Any, in_tag: bool = False) -> Any:
@@ -119,7 +127,14 @@ def with_exact_formats(schema: Any, in_tag: bool = False) -> Any:
         return schema
     if in_tag:
         return {key: with_exact_formats(value, in_tag=key != "json_schema") for key, value in schema.items()}
-    copy = {key: value if key in _DATA_KEYWORDS else with_exact_formats(value) for key, value in schema.items()}
+    copy = {}
+    for key, value in schema.items():
+        if key in DATA_KEYWORDS:  # data: a "format" there is a value, left as it is
+            copy[key] = value
+        elif key in SCHEMA_MAPS and isinstance(value, dict):  # names (even "enum") to subschemas
+            copy[key] = {name: with_exact_formats(sub) for name, sub in value.items()}
+        else:
+            copy[key] = with_exact_formats(value)
     fmt = schema.get("format")
     if isinstance(fmt, str) and fmt in EXACT_FORMATS and "pattern" not in schema:
         del copy["format"]
@@ -699,8 +714,12 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._tokenizer = tokenizer
-        self._compiler: xgr.GrammarCompiler | None = None  # made on the worker thread
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._compiler: xgr.GrammarCompiler | None = None  # made on a worker thread, once
+        self._compiler_lock = threading.Lock()
+        # one worker for the usual constraints, one for those over LARGE_CONSTRAINT_CHARS: each
+        # lane compiles one at a time, in order
+        self._executors = {large: ThreadPoolExecutor(1, thread_name_prefix="grammar-compile" + "-large" * large)
+                           for large in (False, True)}
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
 
     def grammar(self, params: StructuredOutputsParams) -> SequenceGrammar:
@@ -712,23 +731,43 @@ class StructuredOutputManager:
         key = params.key()
         future = self._cache.get(key)
         if future is None or (future.done() and future.exception() is not None):
-            future = self._executor.submit(self._compile, grammar_of(params))
+            large = len(str(key[1])) > LARGE_CONSTRAINT_CHARS
+            future = self._executors[large].submit(self._compile, grammar_of(params))
             self._cache[key] = future
             while len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
         return SequenceGrammar(future)
 
+    def cancel_unwanted(self, wanted: Collection[Future]) -> int:
+        """Drop the compiles not started yet that no request waits for any more (every request
+        that asked for one went away while it queued), so that a client who sent a huge
+        schema and left holds back no one after it. A compile already running runs on.
+
+        Args:
+            wanted: the compiles that requests still wait for (``SequenceGrammar.future``).
+
+        Returns:
+            How many compiles were dropped.
+        """
+        unwanted = [key for key, future in self._cache.items()
+                    if not future.done() and future not in wanted and future.cancel()]
+        for key in unwanted:
+            del self._cache[key]
+        return len(unwanted)
+
     def _compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
-        if self._compiler is None:  # about 0.3 s for a 49k vocabulary: once, off the step loop
-            stop_token_ids = None if self.eos_token_id is None else [self.eos_token_id]
-            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=_NUM_THREADS, cache_enabled=False)
-        return self._compiler.compile_grammar(grammar)
+        with self._compiler_lock:
+            if self._compiler is None:  # about 0.3 s for a 49k vocabulary: once, off the step loop
+                stop_token_ids = None if self.eos_token_id is None else [self.eos_token_id]
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=_NUM_THREADS, cache_enabled=False)
+        return self._compiler.compile_grammar(grammar)  # (vLLM compiles on several threads with one compiler)
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for executor in self._executors.values():
+            executor.shutdown(wait=False, cancel_futures=True)
 
 
 class SequenceGrammar:
@@ -741,6 +780,11 @@ class SequenceGrammar:
     def __init__(self, future: Future, matcher: xgr.GrammarMatcher | None = None) -> None:
         self._future = future
         self.matcher = matcher
+
+    @property
+    def future(self) -> Future:
+        """The compile this grammar waits for (shared by every request of its constraint)."""
+        return self._future
 
     def is_ready(self) -> bool:
         """Whether the compile has finished (successfully or not: see ``error``)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -190,6 +191,63 @@ def test_aborts_while_compiling_and_while_decoding_leave_nothing(llm, monkeypatc
     engine.abort_request("decoding")
     engine.step()
     assert not engine.has_unfinished_requests() and engine._compiling == []
+    assert_idle(llm)
+
+
+def _large_schema() -> dict:
+    """A schema over LARGE_CONSTRAINT_CHARS of text (it compiles in about a second unpatched)."""
+    from engine.structured_outputs import LARGE_CONSTRAINT_CHARS
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "enum": [f"v{i}_{j}" for j in range(20)]}
+                                               for i in range(200)}}
+    assert len(json.dumps(schema, sort_keys=True)) > LARGE_CONSTRAINT_CHARS
+    return schema
+
+
+def test_a_large_schemas_compile_holds_back_no_small_constraint_and_unwanted_ones_are_dropped(llm, monkeypatch):
+    """A trial's 715 KB schema compiled for 119 s, its client long gone, and a new regex
+    waited all that time behind it. Now the large ones compile on a worker of their own, and
+    one whose every request went away before it started is dropped."""
+    from engine.structured_outputs import StructuredOutputManager
+
+    release = threading.Event()
+    compile_grammar = StructuredOutputManager._compile
+    started = []
+
+    def compile_large_slowly(self, grammar):
+        started.append(threading.current_thread().name)
+        if len(str(grammar)) > 10_000:  # the large schemas' EBNF
+            assert release.wait(60)
+        return compile_grammar(self, grammar)
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", compile_large_slowly)
+    engine = llm.llm_engine
+    large = _large_schema()
+    other_large = {**large, "required": ["p0"]}
+    engine.add_request("large", "x", constrained(None, json=large))
+    engine.add_request("large, gone", "x", constrained(None, json=other_large))  # queued behind "large"
+    engine.add_request("small", PROMPTS["regex"], constrained(None, regex=r"[0-9]{4}"))  # (not cached yet)
+    finished = {}
+    deadline = time.monotonic() + 30
+    while "small" not in finished and time.monotonic() < deadline:
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "small" in finished, "the small regex waited behind the large schema's compile"
+    assert re.fullmatch(r"[0-9]{4}", finished["small"].outputs[0].text)  # while "large" still compiles
+    assert len(engine._compiling) == 2
+    wanted = engine._compiling[1].grammar.future
+    engine.abort_request("large, gone")
+    engine.step()
+    assert wanted.cancelled() and [r.request_id for r in engine._compiling] == ["large"]
+    release.set()
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["large"].outputs[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(finished["large"].outputs[0].text), large)
+    assert sorted(name.rsplit("_", 1)[0] for name in started) == ["grammar-compile", "grammar-compile-large"]
+    # asked for again, the dropped constraint compiles anew
+    engine.add_request("large again", "x", constrained(None, json=other_large))
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["large again"].outputs[0].finish_reason in ("stop", "length")
     assert_idle(llm)
 
 
