@@ -190,9 +190,8 @@ class ResponseFormatter:
 class ChatFormatter(ResponseFormatter):
     """Chat completions: ``message``/``delta`` objects and the chat logprobs shape; with
     tools, ``tool_calls`` (``app.tool_calls``) and ``finish_reason: "tool_calls"`` where the
-    reply ended itself (``stop`` without a ``stop_reason``) having called a tool by its own
-    choice (``auto``, ``required``); a call forced by name ends with ``stop``, as OpenAI's and
-    vLLM's do, and so does one cut by a stop sequence.
+    reply stopped having called a tool by its own choice (``auto``, ``required``; see
+    ``_ended_by_model``); a call forced by name ends with ``stop``, as OpenAI's and vLLM's do.
 
     Args:
         tool_mode: how the replies hold tool calls (``ChatCompletionRequest.tool_mode``),
@@ -230,10 +229,14 @@ class ChatFormatter(ResponseFormatter):
                 "finish_reason": finish_reason, "stop_reason": choice.stop_reason}
 
     def _ended_by_model(self, finish_reason: str | None, stop_reason: int | str | None) -> bool:
-        """Whether a reply with calls finishes with ``tool_calls``: it ended itself (EOS, its
-        grammar's end), not at a stop sequence (whose arguments may be cut) or a length, and
-        called by its own choice."""
-        return finish_reason == "stop" and stop_reason is None and self.tool_mode.kind != "named"
+        """Whether a reply with calls finishes with ``tool_calls``: it called by its own
+        choice and stopped, not at a length; for ``required`` not at a stop sequence either,
+        which may cut the last call's arguments. ``auto``'s calls are whole JSON objects (a
+        block counts only where it parses), so a stop sequence after one cuts none of them:
+        ``tool_calls`` then, as vLLM's (a trial found ``stop`` at ``</tool_call>``)."""
+        if finish_reason != "stop" or self.tool_mode.kind == "named":
+            return False
+        return stop_reason is None or self.tool_mode.kind == "auto"
 
     def _carries_something(self, choice: dict) -> bool:
         """False for an empty ``delta`` (tool calls' text held back until a call's name is

@@ -270,8 +270,10 @@ class ToolCallStream:
             content.append(self._held[:start])
             end = self._held.find(TOOL_CALL_END, start)
             if end < 0:
-                if finished:  # an unclosed block: it was text after all
-                    content.append(self._held[start:])
+                if finished:  # an unclosed last block: a call where it holds a whole one, else text
+                    rest, parsed = parse_tool_calls(self._held[start:])
+                    calls += [(c["name"], c["arguments"]) for c in parsed]
+                    content.append(rest or "")
                     self._held = ""
                 else:
                     self._held = self._held[start:]

@@ -92,6 +92,10 @@ def conversation_for_template(conversation: list[dict]) -> list[dict]:
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     """The Hermes blocks of a reply.
 
+    A last block without its ``</tool_call>`` (the reply ended at EOS, a stop sequence or
+    ``max_tokens`` right after the call) counts where its content is a whole call, as in
+    vLLM's hermes parser.
+
     Returns:
         ``(content, calls)``: the text outside the blocks that parsed (``None`` if only
         whitespace is left), and ``{"name": str, "arguments": JSON text}`` per block whose
@@ -105,6 +109,12 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
         kept.append(text[end:match.start()])
         end = match.end()
         calls.append(call)
+    start = text.find(TOOL_CALL_START, end)
+    last = None if start < 0 or TOOL_CALL_END in text[start:] else _parse_call(text[start + len(TOOL_CALL_START):])
+    if last is not None:  # an unclosed last block
+        kept.append(text[end:start])
+        end = len(text)
+        calls.append(last)
     kept.append(text[end:])
     content = "".join(kept)
     return (content if content.strip() else None) if calls else text, calls

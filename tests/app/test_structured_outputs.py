@@ -166,6 +166,34 @@ def test_hermes_blocks_in_a_reply_become_tool_calls():
         "<tool_call>not json</tool_call>"
 
 
+def test_an_unclosed_last_block_is_a_call_where_it_holds_a_whole_one():
+    """A reply ended by EOS, ``max_tokens`` or a stop sequence such as ``</tool_call>`` right
+    after a call's JSON: vLLM's hermes parser takes the unclosed last block; a trial found
+    it left as content here. A block cut inside its JSON stays content. The finish is
+    ``tool_calls`` once auto made calls and stopped, at a stop sequence too (vLLM's)."""
+    from app.openai_format import ChatFormatter
+
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n'
+    for text, content, calls in (
+            ("Checking. " + call, "Checking. ", [("get_time", '{"timezone": "UTC"}')]),
+            (call + "</tool_call> and " + call, " and ", [("get_time", '{"timezone": "UTC"}')] * 2),
+            ("Checking. " + call[:-8], "Checking. " + call[:-8], [])):  # cut inside the JSON
+        message = final_message(ToolMode("auto"), text)
+        assert (message["content"], [(c["function"]["name"], c["function"]["arguments"])
+                                     for c in message.get("tool_calls", [])]) == (content, calls)
+        for size in (1, 5, len(text)):
+            stream = ToolCallStream(ToolMode("auto"))
+            deltas = [stream.delta(text[i:i + size], i + size >= len(text)) for i in range(0, len(text), size)]
+            streamed = [(c["function"]["name"], c["function"]["arguments"])
+                        for d in deltas for c in d.get("tool_calls", [])]
+            assert ("".join(d.get("content", "") for d in deltas), streamed) == (content, calls)
+    finishes = {kind: [ChatFormatter("m", 1, None, False, ToolMode(kind, name="f"))._ended_by_model(*end)
+                       for end in (("stop", None), ("stop", "</tool_call>"), ("stop", 2), ("length", None))]
+                for kind in ("auto", "required", "named")}
+    assert finishes == {"auto": [True, True, True, False], "required": [True, False, False, False],
+                        "named": [False] * 4}
+
+
 def test_auto_without_parallel_tool_calls_keeps_the_first_call():
     call = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "%s"}}\n</tool_call>'
     text = "Checking." + call % "UTC" + " and " + call % "CET"
