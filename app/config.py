@@ -35,7 +35,7 @@ OTHER_SETTINGS = {
     "MINI_INFER_SHUTDOWN_TIMEOUT_S": "scripts/serve_run.py: how long a stop waits for requests in flight",
     "MINI_INFER_DRAIN_FILE": "app.http_guard: the file whose presence means the service is stopping",
     **{f"MINI_INFER_LOAD_{name}": "loadtest: the Locust load test's settings"
-       for name in ("MODEL", "MIX", "OUTPUT", "MAX_MODEL_LEN", "CHAT_TURNS", "CHAT_OUTPUT")},
+       for name in ("MODEL", "MIX", "OUTPUT", "MAX_MODEL_LEN", "CHAT_TURNS", "CHAT_OUTPUT", "API_KEY")},
 }
 
 # Default request-body limit: a prompt of max_model_len tokens sent as token ids takes at

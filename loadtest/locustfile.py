@@ -14,7 +14,7 @@ would exceed ``MINI_INFER_LOAD_MAX_MODEL_LEN`` (default 8192) are shortened to f
 every user, then up to ``MINI_INFER_LOAD_CHAT_TURNS`` (default 6) turns, each of which
 resends the whole conversation so far with a new question, as chat clients do; the prefix
 cache serves the part it has seen. Replies are ``MINI_INFER_LOAD_CHAT_OUTPUT`` tokens
-(default ``16-64``).
+(default ``16-64``). Against a service with an ``api_key``, set ``MINI_INFER_LOAD_API_KEY``.
 
 Besides the request itself, each response fires custom events that Locust's stats, CSV and
 web UI show: ``TTFT`` (time to the first token), ``ITL`` (each gap between tokens) and
@@ -50,6 +50,8 @@ OUTPUT_RANGE = tuple(int(x) for x in os.environ.get("MINI_INFER_LOAD_OUTPUT", "1
 MAX_MODEL_LEN = int(os.environ.get("MINI_INFER_LOAD_MAX_MODEL_LEN", "8192"))
 CHAT_TURNS = int(os.environ.get("MINI_INFER_LOAD_CHAT_TURNS", "6"))
 CHAT_OUTPUT = tuple(int(x) for x in os.environ.get("MINI_INFER_LOAD_CHAT_OUTPUT", "16-64").split("-"))
+# The service's api_key, where it has one: sent as `Authorization: Bearer <key>`.
+API_KEY = os.environ.get("MINI_INFER_LOAD_API_KEY")
 WORDS = ("the lamp keeper wrote wind sea grey storm light tide harbour island boat rope stairs glass "
          "museum logbook winter summer birds engine clock lens night dawn coast weather record").split()
 # About 300 tokens, the same for every chat user: the prefix every conversation shares.
@@ -81,6 +83,8 @@ class _StreamingUser(HttpUser):
 
     def on_start(self) -> None:
         self.rng = random.Random(hash((os.getpid(), id(self))))
+        if API_KEY:
+            self.client.headers["Authorization"] = f"Bearer {API_KEY}"
 
     def stream(self, path: str, body: dict, name: str) -> str | None:
         """POST ``body`` (streamed, with usage) and record its metrics.
