@@ -140,6 +140,8 @@ def with_exact_formats(schema: Any, in_tag: bool = False) -> Any:
         del copy["format"]
         copy["pattern"] = EXACT_FORMATS[fmt]
     return copy
+
+
 # In one schema object xgrammar applies "$ref" above all, then "enum" / "const", then a
 # combinator (json_schema.COMBINATORS), and ignores every other assertion there.
 # JSON Schema 2020-12's assertion and applicator keywords (+ draft 7's "dependencies" and
