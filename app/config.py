@@ -56,8 +56,10 @@ INGRESS_HEADROOM = 1024
 ENGINE_CONTROL_HEADROOM = 16
 
 
-# An origin as browsers send it in ``Origin`` (RFC 6454 section 6.1): scheme://host[:port].
-_ORIGIN = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s?#]+")
+# An origin as browsers send it in ``Origin`` (RFC 6454 section 6.1): scheme://host[:port],
+# the scheme and host in lowercase, no user info, a port of 1-65535; or "null" (a file:// page,
+# a sandboxed frame).
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://(\[[0-9a-f:.]+\]|[a-z0-9._~%!$&'()*+,;=-]+)(:(?P<port>[0-9]{1,5}))?|null")
 
 
 class ServiceSettings(BaseModel):
@@ -133,9 +135,11 @@ class ServiceSettings(BaseModel):
         """Each ``*`` or an origin as a browser's ``Origin`` header has it (RFC 6454): one
         with a path or a trailing slash would never match."""
         for origin in origins:
-            if origin != "*" and not _ORIGIN.fullmatch(origin):
-                raise ValueError(f"{origin!r} is not an origin: `*` or scheme://host[:port], without a path or "
-                                 "a trailing slash")
+            match = _ORIGIN.fullmatch(origin)
+            if origin != "*" and not (match and 1 <= int(match["port"] or 1) <= 65535):
+                raise ValueError(f"{origin!r} is not an origin as browsers send it: `*`, `null` or "
+                                 "scheme://host[:port] in lowercase, a port of 1-65535, without user info, a path "
+                                 "or a trailing slash")
         return origins
 
     @model_validator(mode="after")

@@ -41,9 +41,14 @@ def test_allowed_origins_from_text_and_an_origin_that_would_never_match_is_refus
     assert AppConfig.load().allowed_origins == ["http://a.example", "https://b.example:8443"]
     assert AppConfig.load({"allowed_origins": '["http://c.example"]'}).allowed_origins == ["http://c.example"]
     assert AppConfig.load({"allowed_origins": ""}).allowed_origins == []
-    with pytest.raises(ValidationError, match=r"allowed_origins\n  Value error, 'http://a.example/' is not an "
-                                              r"origin: `\*` or scheme://host\[:port\], without a path"):
-        AppConfig.load({"allowed_origins": "http://a.example/"})
+    assert AppConfig.load({"allowed_origins": "null,http://[::1]:8080,https://a-b.example:443"}).allowed_origins == [
+        "null", "http://[::1]:8080", "https://a-b.example:443"]
+    # a trial found these accepted: browsers send scheme and host in lowercase, a real port, no user info
+    for never in ("http://a.example/", "HTTP://a.example", "http://A.example", "http://a.example:99999",
+                  "http://a.example:0", "http://a.example:abc", "http://user@a.example", "a.example"):
+        with pytest.raises(ValidationError, match=r"allowed_origins\n  Value error, '.*' is not an origin as "
+                                                  r"browsers send it: `\*`, `null` or scheme://host\[:port\]"):
+            AppConfig.load({"allowed_origins": never})
     with pytest.raises(ValidationError, match=r"allowed_origins\n  Value error, not a JSON list of origins"):
         AppConfig.load({"allowed_origins": '["http://a.example"'})
 
