@@ -187,10 +187,12 @@ def stopping_now() -> bool:
 
 def shutting_down_error(in_flight: bool = False) -> OpenAIError:
     """503 ``shutting_down``: for a new request while ``draining()``, or (``in_flight``) for
-    one still running when the wait is over."""
+    one still running when the wait is over (its time ran out, or a second signal came: the
+    engine replicas see only the flag, so the message names both)."""
     if in_flight:
         return OpenAIError(503, "the service is shutting down and stopped this request: the wait for the requests "
-                           "in flight (MINI_INFER_SHUTDOWN_TIMEOUT_S) ran out; retry later", code="shutting_down")
+                           "in flight (MINI_INFER_SHUTDOWN_TIMEOUT_S) ran out, or a second stop signal ended it; "
+                           "retry later", code="shutting_down")
     return OpenAIError(503, "the service is shutting down: it finishes the requests in flight and takes no "
                        "new ones; retry later", code="shutting_down")
 
