@@ -14,6 +14,7 @@ monkey.patch_all()  # before anything imports ssl or sockets, as locust's own CL
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -115,7 +116,9 @@ def plot(finished: list[tuple[float, int]], summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def main() -> int:
+    """Returns the exit status: 1 where any request failed (as Locust's own), with the
+    failures on stderr, else 0."""
     parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="http://127.0.0.1:8000")
     parser.add_argument("--users", type=int, default=4)
@@ -127,7 +130,14 @@ def main() -> None:
     summary = run(args.host, args.users, args.spawn_rate, args.duration, args.out)
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
     print(f"wrote {args.out / 'summary.json'}, {args.out / 'summary.png'} and Locust's CSV files")
+    if not summary["num_failures"]:
+        return 0
+    for failure in summary["failures"][:5]:
+        print(f"failed {failure['occurrences']} times: {failure['name']}: {failure['error']}", file=sys.stderr)
+    if any("HTTP 401" in failure["error"] for failure in summary["failures"]):
+        print("HTTP 401: the service has an api_key; set MINI_INFER_LOAD_API_KEY to send it", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
