@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from engine.json_schema import COMBINATORS, DATA_KEYWORDS, SCHEMA_MAPS, is_local_ref
-from engine.tool_calls import TOOL_CALL_END, TOOL_CALL_START, parse_tool_calls
+from engine.tool_calls import TOOL_CALL_END, TOOL_CALL_START, parse_tool_calls, partial_prefix
 
 
 @dataclass(frozen=True)
@@ -225,6 +225,8 @@ class ToolCallStream:
         self._ids: list[str] = []
         self._scanner = _CallArrayScanner()
         self._held = ""  # auto: text that may be (the start of) a <tool_call> block
+        self._blank = ""  # auto: content held back while all of it so far is whitespace
+        self._content_shown = False  # auto: content with more than whitespace has been sent
 
     def delta(self, text: str, finished: bool) -> dict:
         """The ``delta`` for ``text``, the reply's next piece (``{}`` when all of it is held
@@ -263,7 +265,7 @@ class ToolCallStream:
         while self._held:
             start = self._held.find(TOOL_CALL_START)
             if start < 0:  # hold back only a tail that may begin a block
-                keep = 0 if finished else _partial_prefix(self._held, TOOL_CALL_START)
+                keep = 0 if finished else partial_prefix(self._held, TOOL_CALL_START)
                 content.append(self._held[:len(self._held) - keep])
                 self._held = self._held[len(self._held) - keep:]
                 break
@@ -287,17 +289,17 @@ class ToolCallStream:
                 content.append(block)
         if not self.mode.parallel:  # one call in all: what follows the first is dropped
             calls = calls[:max(0, 1 - self.num_calls)]
+        text = "".join(content)
+        if not self._content_shown:  # as final_message: content that is only whitespace beside calls is none
+            self._blank += text
+            if self._blank.strip() or (finished and not (self.num_calls or calls)):
+                text, self._blank, self._content_shown = self._blank, "", True
+            else:
+                text = ""
         delta = {}
-        if "".join(content):
-            delta["content"] = "".join(content)
+        if text:
+            delta["content"] = text
         if calls:
             delta.update(self._calls_delta([(None, "")] * self.num_calls + calls))
         return delta
 
-
-def _partial_prefix(text: str, marker: str) -> int:
-    """The length of the longest tail of ``text`` that is a proper prefix of ``marker``."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0

@@ -93,8 +93,9 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     """The Hermes blocks of a reply.
 
     A last block without its ``</tool_call>`` (the reply ended at EOS, a stop sequence or
-    ``max_tokens`` right after the call) counts where its content is a whole call, as in
-    vLLM's hermes parser.
+    ``max_tokens`` right after the call, or inside the closing tag) counts where its content
+    is a whole call, as in vLLM's hermes parser (which also takes the unclosed block, but not
+    one cut inside its closing tag).
 
     Returns:
         ``(content, calls)``: the text outside the blocks that parsed (``None`` if only
@@ -110,7 +111,10 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
         end = match.end()
         calls.append(call)
     start = text.find(TOOL_CALL_START, end)
-    last = None if start < 0 or TOOL_CALL_END in text[start:] else _parse_call(text[start + len(TOOL_CALL_START):])
+    last = None
+    if start >= 0 and TOOL_CALL_END not in text[start:]:
+        body = text[start + len(TOOL_CALL_START):]
+        last = _parse_call(body[:len(body) - partial_prefix(body, TOOL_CALL_END)])  # "}}\n</tool" cut by max_tokens
     if last is not None:  # an unclosed last block
         kept.append(text[end:start])
         end = len(text)
@@ -118,6 +122,14 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     kept.append(text[end:])
     content = "".join(kept)
     return (content if content.strip() else None) if calls else text, calls
+
+
+def partial_prefix(text: str, marker: str) -> int:
+    """The length of the longest tail of ``text`` that is a proper prefix of ``marker``."""
+    for length in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0
 
 
 def _parse_call(body: str) -> dict | None:

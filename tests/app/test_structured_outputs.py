@@ -178,20 +178,40 @@ def test_an_unclosed_last_block_is_a_call_where_it_holds_a_whole_one():
             ("Checking. " + call, "Checking. ", [("get_time", '{"timezone": "UTC"}')]),
             (call + "</tool_call> and " + call, " and ", [("get_time", '{"timezone": "UTC"}')] * 2),
             ("Checking. " + call[:-8], "Checking. " + call[:-8], [])):  # cut inside the JSON
-        message = final_message(ToolMode("auto"), text)
-        assert (message["content"], [(c["function"]["name"], c["function"]["arguments"])
-                                     for c in message.get("tool_calls", [])]) == (content, calls)
-        for size in (1, 5, len(text)):
-            stream = ToolCallStream(ToolMode("auto"))
-            deltas = [stream.delta(text[i:i + size], i + size >= len(text)) for i in range(0, len(text), size)]
-            streamed = [(c["function"]["name"], c["function"]["arguments"])
-                        for d in deltas for c in d.get("tool_calls", [])]
-            assert ("".join(d.get("content", "") for d in deltas), streamed) == (content, calls)
+        _assert_whole_and_streamed_agree(text, content, calls)
     finishes = {kind: [ChatFormatter("m", 1, None, False, ToolMode(kind, name="f"))._ended_by_model(*end)
                        for end in (("stop", None), ("stop", "</tool_call>"), ("stop", 2), ("length", None))]
                 for kind in ("auto", "required", "named")}
     assert finishes == {"auto": [True, True, True, False], "required": [True, False, False, False],
                         "named": [False] * 4}
+
+
+def _assert_whole_and_streamed_agree(text: str, content: str | None, calls: list[tuple[str, str]]) -> None:
+    """``auto``'s message for ``text`` and its stream in pieces of 1, 5 and all characters:
+    the same calls, and the stream's content joined is the message's (none as empty)."""
+    message = final_message(ToolMode("auto"), text)
+    assert (message["content"], [(c["function"]["name"], c["function"]["arguments"])
+                                 for c in message.get("tool_calls", [])]) == (content, calls)
+    for size in (1, 5, len(text)):
+        stream = ToolCallStream(ToolMode("auto"))
+        deltas = [stream.delta(text[i:i + size], i + size >= len(text)) for i in range(0, len(text), size)]
+        streamed = [(c["function"]["name"], c["function"]["arguments"])
+                    for d in deltas for c in d.get("tool_calls", [])]
+        assert ("".join(d.get("content", "") for d in deltas), streamed) == (content or "", calls), size
+
+
+def test_a_call_cut_inside_its_closing_tag_and_whitespace_beside_calls():
+    """A sixth trial: max_tokens cutting "</tool_call>" after a whole call lost the call (28-30
+    tokens, where 27 kept it), and two calls with only a newline between them streamed content
+    "\n" where the whole reply had none."""
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n'
+    get_time = ("get_time", '{"timezone": "UTC"}')
+    for cut in ("</", "</tool", "</tool_call"):
+        _assert_whole_and_streamed_agree("Checking. " + call + cut, "Checking. ", [get_time])
+    _assert_whole_and_streamed_agree(call + "</tool_call>\n" + call + "</tool_call>\n", None, [get_time] * 2)
+    _assert_whole_and_streamed_agree("\n\n" + call + "</tool_call>", None, [get_time])
+    _assert_whole_and_streamed_agree("  \n", "  \n", [])  # no calls: the text is the content, blank or not
+    _assert_whole_and_streamed_agree("\n\nSure. " + call + "</tool_call>\n", "\n\nSure. \n", [get_time])
 
 
 def test_auto_without_parallel_tool_calls_keeps_the_first_call():
