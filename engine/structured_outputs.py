@@ -522,6 +522,10 @@ def _check_keywords(node: dict, where: str, implied_kind: str) -> None:
             raise _not_enforced(json.dumps(key), where, "remove it")
     if node.get("uniqueItems") is True:
         raise _not_enforced('"uniqueItems": true', where, "remove it")
+    if isinstance(node.get("items"), list):  # xgrammar refuses it with "items must be a boolean or an object"
+        raise ValueError(f'"items" as an array (draft 7\'s tuple form) at {where} is not supported by the grammar '
+                         'engine (xgrammar); write the same as "prefixItems" (draft 2020-12), with "items" in place '
+                         'of "additionalItems"')
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         raise _not_enforced(f"allOf of {len(node['allOf'])} schemas", where, "merge them into one schema")
     declared = _names(node.get("type"))

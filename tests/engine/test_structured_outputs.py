@@ -555,6 +555,24 @@ def test_keywords_xgrammar_does_not_enforce_are_refused(schema, value, message):
     assert "is not enforced by the grammar engine" in str(info.value)
 
 
+def test_draft_7_tuple_items_are_refused_with_their_2020_12_spelling():
+    """xgrammar refuses an array "items" ("items must be a boolean or an object", which a
+    sixth trial read as a refusal of draft 7); the 400 says how to write it."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+    tuple_items = [{"type": "integer"}, {"type": "string"}]
+    with pytest.raises(RuntimeError, match="items must be a boolean or an object"):
+        xgr.Grammar.from_json_schema(json.dumps({"type": "array", "items": tuple_items}))
+    with pytest.raises(ValueError, match=re.escape(
+            'structured_outputs.json: "items" as an array (draft 7\'s tuple form) at #/properties/pair is not '
+            'supported by the grammar engine (xgrammar); write the same as "prefixItems" (draft 2020-12)')):
+        grammar_of(StructuredOutputsParams(json={"$schema": "http://json-schema.org/draft-07/schema#",
+                                                 "type": "object", "properties": {"pair": {
+                                                     "type": "array", "items": tuple_items}}}))
+    grammar = grammar_of(StructuredOutputsParams(json={"type": "array", "prefixItems": tuple_items, "items": False}))
+    assert _is_grammar_accept_string(grammar, '[1, "a"]') and not _is_grammar_accept_string(grammar, '["a", 1]')
+
+
 # (schema, a value it forbids): xgrammar refuses the value, so the schema is compiled
 ENFORCED = [
     # anchors at the ends of the match, of its alternatives, of groups that start or end it
