@@ -73,6 +73,13 @@ class LLMEngine:
                     self.block_manager.num_blocks, self.block_manager.block_size,
                     str(self.model_runner.kv_cache_dtype).removeprefix("torch."),
                     self.model_runner.backend, "on" if config.cache.enable_prefix_caching else "off")
+        # the longest request the KV cache holds (its last sampled token needs no slot)
+        longest = self.block_manager.num_blocks * self.block_manager.block_size + 1
+        if longest < sched.max_model_len:  # vLLM refuses to start; here those requests get a clear 400
+            logger.warning("the KV cache holds requests of up to %d tokens (prompt + max_tokens), fewer than "
+                           "max_model_len (%d): longer ones get a 400 (context_length_exceeded); raise "
+                           "kv_cache_memory_gb (or num_gpu_blocks) or lower max_model_len", longest,
+                           sched.max_model_len)
 
     # ---- requests ------------------------------------------------------------------------
 

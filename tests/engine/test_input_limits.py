@@ -132,3 +132,24 @@ def test_error_messages_quote_an_excerpt_of_a_large_value():
                                "['0', '1', '2', '3', ...] (10000 items)")
     assert excerpt("x" * 10**6).endswith("(1000000 characters)") and len(excerpt("x" * 10**6)) < 80
     assert excerpt(10**5000) == "<int too large to print>"
+
+
+def test_a_kv_cache_smaller_than_max_model_len_is_a_warning_at_start(caplog):
+    """vLLM refuses to start there; here the engine starts, says so once, and the requests
+    that do not fit get the scheduler's 400."""
+    import logging
+
+    from engine import LLM
+
+    with caplog.at_level(logging.WARNING, logger="engine.llm_engine"):
+        small = LLM(model="dummy:tiny-llama", dtype="float32", enforce_eager=True, num_gpu_blocks=4,
+                    max_model_len=128)
+    assert ("the KV cache holds requests of up to 65 tokens (prompt + max_tokens), fewer than max_model_len "
+            "(128): longer ones get a 400 (context_length_exceeded); raise kv_cache_memory_gb (or "
+            "num_gpu_blocks) or lower max_model_len") in caplog.text
+    with pytest.raises(ValueError, match=r"needs 5 KV blocks, more than the whole KV cache \(4 blocks of 16"):
+        small.llm_engine.add_request("long", [1] * 60, SamplingParams(max_tokens=10))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="engine.llm_engine"):
+        LLM(model="dummy:tiny-llama", dtype="float32", enforce_eager=True, num_gpu_blocks=8, max_model_len=128)
+    assert "the KV cache holds" not in caplog.text  # 8 x 16 + 1 = 129 tokens: every request fits
