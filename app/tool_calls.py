@@ -23,7 +23,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from engine.json_schema import COMBINATORS, DATA_KEYWORDS, SCHEMA_MAPS, is_local_ref
+from engine.json_schema import COMBINATORS, is_local_ref, map_schema_objects
 from engine.tool_calls import TOOL_CALL_END, TOOL_CALL_START, parse_tool_calls, partial_prefix
 
 
@@ -86,21 +86,12 @@ def rebase_refs(schema, base: str):
     ``schema`` is placed inside a larger schema. Other references (``"#anchor"``, URIs) and
     data (``const``, ``enum``, ``default``, ``examples``) are left as they are; ``schema``
     is not changed (a copy of what is rebased is returned)."""
-    if isinstance(schema, list):
-        return [rebase_refs(item, base) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    rebased = {}
-    for key, value in schema.items():
-        if key == "$ref" and is_local_ref(value):
-            rebased[key] = "#" + base + value[1:]
-        elif key in DATA_KEYWORDS:
-            rebased[key] = value
-        elif key in SCHEMA_MAPS and isinstance(value, dict):
-            rebased[key] = {name: rebase_refs(sub, base) for name, sub in value.items()}
-        else:
-            rebased[key] = rebase_refs(value, base)
-    return rebased
+    def rebase(node: dict) -> dict:
+        if is_local_ref(node.get("$ref")):
+            node["$ref"] = "#" + base + node["$ref"][1:]
+        return node
+
+    return map_schema_objects(schema, rebase)
 
 
 def new_call_id() -> str:

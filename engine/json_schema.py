@@ -19,6 +19,26 @@ def is_local_ref(ref) -> bool:
     return isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
 
 
+def map_schema_objects(schema, change):
+    """A copy of ``schema`` with ``change`` applied to each of its objects, innermost first
+    (``change`` gets the object's copy, its parts already changed, and returns the new
+    object). The values of ``DATA_KEYWORDS`` are left as they are, and the names under
+    ``SCHEMA_MAPS`` are names, not keywords; ``schema`` itself is not changed."""
+    if isinstance(schema, list):
+        return [map_schema_objects(item, change) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    copy = {}
+    for key, value in schema.items():
+        if key in DATA_KEYWORDS:
+            copy[key] = value
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
+            copy[key] = {name: map_schema_objects(sub, change) for name, sub in value.items()}
+        else:
+            copy[key] = map_schema_objects(value, change)
+    return change(copy)
+
+
 def pointer_token(key) -> str:
     """``key`` as one JSON pointer token (RFC 6901: ``~`` as ``~0``, ``/`` as ``~1``)."""
     return str(key).replace("~", "~0").replace("/", "~1")

@@ -416,16 +416,17 @@ class LLMEngine:
 
     def _check_compiles(self) -> None:
         """Forget requests whose grammar compile has finished; fail those where it failed."""
-        still = []
+        still, left = [], False
         for request in self._compiling:
             if request.status.is_finished:
-                continue  # aborted while compiling
+                left = True  # aborted while compiling
+                continue
             if not request.is_ready:
                 still.append(request)
             elif request.grammar.error is not None:
                 self._finish_requests([request.request_id], RequestStatus.FINISHED_ERROR,
                                       request.grammar.error)
-        if any(request.status.is_finished for request in self._compiling):  # some left while compiling
+        if left:
             self._structured_outputs.cancel_unwanted({request.grammar.future for request in still})
         self._compiling = still
 

@@ -37,7 +37,15 @@ import torch
 import xgrammar as xgr
 
 from engine.errors import InvalidRequestError
-from engine.json_schema import COMBINATORS, DATA_KEYWORDS, SCHEMA_MAPS, check_schema, is_local_ref, pointer_token
+from engine.json_schema import (
+    COMBINATORS,
+    DATA_KEYWORDS,
+    SCHEMA_MAPS,
+    check_schema,
+    is_local_ref,
+    map_schema_objects,
+    pointer_token,
+)
 from engine.sampling_params import StructuredOutputsParams
 from engine.scheduler_output import SamplingRow
 
@@ -121,25 +129,21 @@ def with_exact_formats(schema: Any, in_tag: bool = False) -> Any:
     (a copy; ``schema`` itself is unchanged). ``check_enforceable`` has refused a format
     beside a pattern or a length already, so the pattern is the object's only string check.
     With ``in_tag``, ``schema`` is a structural tag: the JSON schemas inside it are changed."""
-    if isinstance(schema, list):
-        return [with_exact_formats(item, in_tag) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
     if in_tag:
+        if isinstance(schema, list):
+            return [with_exact_formats(item, in_tag) for item in schema]
+        if not isinstance(schema, dict):
+            return schema
         return {key: with_exact_formats(value, in_tag=key != "json_schema") for key, value in schema.items()}
-    copy = {}
-    for key, value in schema.items():
-        if key in DATA_KEYWORDS:  # data: a "format" there is a value, left as it is
-            copy[key] = value
-        elif key in SCHEMA_MAPS and isinstance(value, dict):  # names (even "enum") to subschemas
-            copy[key] = {name: with_exact_formats(sub) for name, sub in value.items()}
-        else:
-            copy[key] = with_exact_formats(value)
-    fmt = schema.get("format")
-    if isinstance(fmt, str) and fmt in EXACT_FORMATS and "pattern" not in schema:
-        del copy["format"]
-        copy["pattern"] = EXACT_FORMATS[fmt]
-    return copy
+    return map_schema_objects(schema, _exact_format)
+
+
+def _exact_format(node: dict) -> dict:
+    fmt = node.get("format")
+    if isinstance(fmt, str) and fmt in EXACT_FORMATS and "pattern" not in node:
+        del node["format"]
+        node["pattern"] = EXACT_FORMATS[fmt]
+    return node
 
 
 # In one schema object xgrammar applies "$ref" above all, then "enum" / "const", then a

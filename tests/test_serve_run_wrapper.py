@@ -241,37 +241,25 @@ def test_a_stop_waits_for_the_requests_in_flight_then_goes_on(tmp_path, capsys):
     """The first SIGTERM or Ctrl-C creates the drain flag and waits while /stats counts
     requests running or waiting, up to the timeout; a second signal, or a service that does
     not answer, ends the wait at once."""
-    import http.server
     import json
-    import threading
     import time
 
     from app import http_guard
+    from tests.stand_in import stand_in_service
 
     wrapper = _wrapper_module()
     counts = [2, 1, 0]
     seen_keys = []
-
-    class Stats(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            seen_keys.append(self.headers.get("Authorization"))
-            count = counts.pop(0) if len(counts) > 1 else counts[0]
-            if flag.exists() and flag.read_text() == "stop":  # the engine replicas end them (a 503 each)
-                count = 0
-            body = json.dumps({"replicas": [{"num_running": count, "num_waiting": 0}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Stats)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
     flag = tmp_path / "draining"
-    try:
+
+    def stats(request) -> tuple[int, bytes]:
+        seen_keys.append(request.headers.get("Authorization"))
+        count = counts.pop(0) if len(counts) > 1 else counts[0]
+        if flag.exists() and flag.read_text() == "stop":  # the engine replicas end them (a 503 each)
+            count = 0
+        return 200, json.dumps({"replicas": [{"num_running": count, "num_waiting": 0}]}).encode()
+
+    with stand_in_service(stats) as url:
         start = time.monotonic()
         wrapper.drain(url, "k", str(flag), timeout_s=20, stop_now=lambda: False)
         assert flag.exists() and 0.9 < time.monotonic() - start < 5  # 2 polls 0.2 s apart, then 0.5 s
@@ -290,8 +278,6 @@ def test_a_stop_waits_for_the_requests_in_flight_then_goes_on(tmp_path, capsys):
         start = time.monotonic()
         wrapper.drain(url, None, str(flag), timeout_s=20, stop_now=lambda: True)  # a second signal
         assert time.monotonic() - start < 0.5
-    finally:
-        server.shutdown()
     start = time.monotonic()
     wrapper.drain(url, None, str(flag), timeout_s=20, stop_now=lambda: False)  # nothing answers
     assert time.monotonic() - start < 3

@@ -58,30 +58,13 @@ def test_the_users_send_the_api_key_when_one_is_set():
 def test_a_run_with_failures_exits_1_and_names_the_key_on_401s(tmp_path):
     """A sixth trial's run against a keyed service without the key: 68 of 68 failed, exit 0
     and no word of why. A stand-in service that answers every request 401."""
-    import http.server
-    import threading
+    from tests.stand_in import stand_in_service
 
-    class Refuses(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            body = b'{"error": {"message": "invalid api key", "code": "invalid_api_key"}}'
-            self.send_response(401)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuses)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    refusal = b'{"error": {"message": "invalid api key", "code": "invalid_api_key"}}'
+    with stand_in_service(lambda request: (401, refusal)) as url:
         command = [sys.executable, "-m", "loadtest", "--users", "1", "--spawn-rate", "1", "--duration", "3",
-                   "--host", f"http://127.0.0.1:{server.server_address[1]}", "--out", str(tmp_path)]
+                   "--host", url, "--out", str(tmp_path)]
         out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    finally:
-        server.shutdown()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert out.returncode == 1 and summary["num_requests"] == summary["num_failures"] > 0, out.stderr[-2000:]
     assert "HTTP 401: the service has an api_key; set MINI_INFER_LOAD_API_KEY to send it" in out.stderr
