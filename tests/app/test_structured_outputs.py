@@ -419,6 +419,10 @@ BAD = [
     ("/v1/chat/completions", {"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}}], "tool_choice": "required"},
      "tools[1].function.parameters"),
+    # draft 7's tuple items, which xgrammar refuses: the 400 says to write prefixItems
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$schema": "http://json-schema.org/draft-07/schema#", "type": "array", "items": [{"type": "integer"}]}}}},
+     "response_format.json_schema.schema"),
     # constraints no text matches: they compile, and allow no first token (a hostile trial's 500s)
     ("/v1/completions", {"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs.grammar"),
     ("/v1/chat/completions", {"guided_regex": "[^\\s\\S]"}, "guided_regex"),
