@@ -26,9 +26,9 @@ from engine.device import cpu_has_bf16_matmul, resolve_device, resolve_dtype
 from engine.loader import LoadedModel, init_dummy_weights
 from engine.models import AttentionMetadata, build_model, can_prepack_weights, head_dim_of
 from engine.models.llama import glue_parallel_from_tokens
-from engine.sampler import Sampler
+from engine.sampler import Sampler, logprob_tokens
 from engine.sampling_params import SamplingParams
-from engine.scheduler_output import ModelRunnerOutput, SamplingRow, ScheduledRequest, SchedulerOutput
+from engine.scheduler_output import ModelRunnerOutput, SampledToken, SamplingRow, ScheduledRequest, SchedulerOutput
 from engine.threads import FreeCpuThreads, configure_cpu_threads, huge_pages_requested
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class BatchInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor   # [num_sampled] int64, last scheduled token of sampling rows
     sample_rows: list[int]         # indices into SchedulerOutput.scheduled
+    row_starts: np.ndarray         # [num_scheduled] int64: each scheduled sequence's first row
 
 
 
@@ -336,8 +337,9 @@ class ModelRunner:
         self._copy_blocks(scheduler_output.blocks_to_copy)
         batch = self.prepare_inputs(scheduler_output)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        prompt_logprobs = self._prompt_logprobs(scheduler_output, batch.row_starts, hidden)
         if not batch.sample_rows:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         scheduled = [scheduler_output.scheduled[i] for i in batch.sample_rows]
         # A forking sequence's logits row is drawn from once per sequence of its request.
         repeats = [s.num_samples for s in scheduled]
@@ -351,7 +353,32 @@ class ModelRunner:
             logits = logits.repeat_interleave(torch.tensor(repeats, device=self.device), dim=0)
         tokens = iter(self.sampler(logits, rows, grammar_bitmask))
         return ModelRunnerOutput({s.seq_id: [next(tokens) for _ in range(s.num_samples)]
-                                  for s in scheduled})
+                                  for s in scheduled}, prompt_logprobs)
+
+    def _prompt_logprobs(self, scheduler_output: SchedulerOutput, row_starts: np.ndarray,
+                         hidden: torch.Tensor) -> dict[str, tuple[int, list[SampledToken]]]:
+        """``ModelRunnerOutput.prompt_logprobs``: for each scheduled prompt chunk of a request
+        with ``prompt_logprobs``, the log-softmax of the raw logits at each of its positions
+        (in fp32) taken at the prompt's next token, with its rank and the top alternatives;
+        ``PROMPT_LOGPROB_ROWS`` rows of logits at a time (a [rows, vocab] fp32 block)."""
+        found = {}
+        for i, scheduled in enumerate(scheduler_output.scheduled):
+            row = scheduled.sampling_row
+            if row.params.prompt_logprobs is None:
+                continue
+            start = scheduled.num_computed_tokens  # the chunk's first position
+            count = min(start + len(scheduled.token_ids), len(row.prompt_token_ids) - 1) - start
+            if count <= 0:
+                continue  # past the prompt (a decode), or a one-token prompt
+            targets = torch.tensor(row.prompt_token_ids[start + 1:start + 1 + count], device=self.device)
+            first_row, tokens = int(row_starts[i]), []
+            for offset in range(0, count, PROMPT_LOGPROB_ROWS):
+                size = min(PROMPT_LOGPROB_ROWS, count - offset)
+                logits = self.model.compute_logits(hidden[first_row + offset:first_row + offset + size])
+                tokens += logprob_tokens(torch.log_softmax(logits.float(), dim=-1),
+                                         targets[offset:offset + size], row.params.prompt_logprobs)
+            found[scheduled.seq_id] = (start + 1, tokens)
+        return found
 
     def _fill_grammar_bitmask(self, rows: list[SamplingRow]):
         """The structured-outputs bitmasks of the constrained rows (``None`` if none is)."""
@@ -382,7 +409,8 @@ class ModelRunner:
                                  seq_lens=host_to(host.seq_lens), backend=self.backend,
                                  num_decodes=host.num_decodes)
         return BatchInputs(input_ids=to(host.input_ids), positions=to(host.positions), meta=meta,
-                           logits_indices=to(host.logits_indices), sample_rows=host.sample_rows)
+                           logits_indices=to(host.logits_indices), sample_rows=host.sample_rows,
+                           row_starts=host.row_starts)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -406,6 +434,7 @@ class HostBatch:
     num_decodes: int             # leading sequences whose query is one token
     logits_indices: np.ndarray   # [len(sample_rows)] int64: last token of each sampling row
     sample_rows: list[int]       # indices into SchedulerOutput.scheduled, in its order
+    row_starts: np.ndarray       # [len(scheduled)] int64: scheduled i's first row (of input_ids)
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, backend: str) -> torch.dtype:
@@ -458,9 +487,12 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_size: int) -> Host
                      block_tables=block_tables, query_start_loc=query_start_loc.astype(np.int32),
                      seq_lens=seq_lens.astype(np.int32), num_decodes=int((~is_prefill).sum()),
                      logits_indices=query_start_loc[1:][batch_row[sample_rows]] - 1,
-                     sample_rows=sample_rows)
+                     sample_rows=sample_rows, row_starts=query_start_loc[:-1][batch_row])
 
 
+# Prompt positions whose logits are taken at once for prompt_logprobs: a [512, vocab] fp32
+# block is 100 MB for SmolLM2's 49,152 tokens.
+PROMPT_LOGPROB_ROWS = 512
 HUGE_PAGE_BYTES = 2 << 20  # x86-64's transparent huge page
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14, include/uapi/asm-generic/mman-common.h
 POPULATE_CHUNK_BYTES = 64 << 20

@@ -7,7 +7,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import RequestOutputKind
 from engine.scheduler_output import SampledToken
@@ -25,6 +25,8 @@ class RequestState:
     metrics: RequestMetrics
     changed: list[int] = field(default_factory=list)  # sequence indices with news this step
     num_reported_tokens: dict[int, int] = field(default_factory=dict)  # per sequence, for deltas
+    prompt_logprobs: PromptLogprobs | None = None  # built once the prompt is done (prompt_logprobs)
+    prompt_logprobs_sent: bool = False  # in a delta output already
 
     @property
     def first(self) -> Request:
@@ -180,7 +182,22 @@ class OutputProcessor:
                              finished=finished, metrics=state.metrics,
                              error=failed.error if failed is not None else None,
                              error_param=failed.error_param if failed is not None else None,
-                             num_cached_tokens=first.num_cached_tokens)
+                             num_cached_tokens=first.num_cached_tokens,
+                             prompt_logprobs=self._prompt_logprobs(state, kind))
+
+    def _prompt_logprobs(self, state: RequestState, kind: RequestOutputKind) -> PromptLogprobs | None:
+        """The request's prompt logprobs, once every prompt token has its entry: in each
+        output, or in a delta request's first one only."""
+        first = state.first
+        if first.sampling_params.prompt_logprobs is None or not first.has_prompt_logprobs:
+            return None
+        if state.prompt_logprobs is None:
+            state.prompt_logprobs = [None] + [self._logprob_dict(t) for t in first.prompt_logprob_tokens]
+        if kind == RequestOutputKind.DELTA:
+            if state.prompt_logprobs_sent:
+                return None
+            state.prompt_logprobs_sent = True
+        return state.prompt_logprobs
 
     def _pop_delta(self, state: RequestState, index: int) -> str:
         detokenizer = state.detokenizers.get(index)
@@ -207,7 +224,7 @@ class OutputProcessor:
             finish_reason=sequence.status.finish_reason, stop_reason=sequence.stop_reason)
 
     def _logprob_dict(self, token: SampledToken) -> dict[int, Logprob]:
-        """The sampled token first, then the top alternatives (vLLM's layout)."""
+        """The sampled (or prompt) token first, then the top alternatives (vLLM's layout)."""
         entries = {token.token_id: Logprob(token.logprob, token.rank, self._token_text(token.token_id))}
         for rank, (token_id, logprob) in enumerate(token.top_logprobs, start=1):
             entries.setdefault(token_id, Logprob(logprob, rank, self._token_text(token_id)))

@@ -24,6 +24,9 @@ class Logprob:
 # Per generated token: token id -> Logprob, the sampled token first, then the top
 # alternatives in descending order.
 SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt token: ``None`` for the first (nothing before it), then token id -> Logprob, the
+# prompt's token first, then the top alternatives (vLLM's ``PromptLogprobs``).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 # Deltas of one request are joined (``RequestOutput.add``) only up to this many values
 # (``RequestOutput.num_values``): an output crossing between processes stays far below gRPC's
@@ -85,6 +88,8 @@ class RequestOutput:
             structured output's constraint that no text matches); ``None`` for the engine's faults.
         num_cached_tokens: prompt tokens whose K/V came from the prefix cache when the
             request was first scheduled (``None`` before that).
+        prompt_logprobs: per prompt token, where the request asked for ``prompt_logprobs``:
+            in every output, or in a delta request's first output only.
     """
 
     request_id: str
@@ -96,11 +101,13 @@ class RequestOutput:
     error: str | None = None
     error_param: str | None = None
     num_cached_tokens: int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     def num_values(self) -> int:
-        """Token ids and logprob entries (the sampled token's and each alternative) over its
-        sequences: what its size across a process boundary grows with."""
-        return sum(len(c.token_ids) + sum(map(len, c.logprobs or ())) for c in self.outputs)
+        """Token ids and logprob entries (the sampled token's and each alternative, the
+        prompt's too) over its sequences: what its size across a process boundary grows with."""
+        num_prompt_values = sum(len(entry or ()) for entry in self.prompt_logprobs or ())
+        return num_prompt_values + sum(len(c.token_ids) + sum(map(len, c.logprobs or ())) for c in self.outputs)
 
     def add(self, later: RequestOutput) -> None:
         """Append ``later``, the next delta of the same request, to this one (vLLM's
@@ -121,6 +128,7 @@ class RequestOutput:
             earlier.finish_reason, earlier.stop_reason = completion.finish_reason, completion.stop_reason
         self.finished = later.finished
         self.metrics = later.metrics or self.metrics
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         if later.error is not None:
             self.error, self.error_param = later.error, later.error_param
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from engine.outputs import SampleLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler_output import SamplingRow
+from engine.scheduler_output import SampledToken, SamplingRow
 
 if TYPE_CHECKING:
     from engine.structured_outputs import SequenceGrammar
@@ -55,6 +55,10 @@ class Request:
     output, extended by the scheduler as tokens come), and ``num_cached_tokens`` the prompt
     tokens found in the cache when it was first scheduled (``None`` before that).
     ``num_preemptions`` counts the times this sequence was preempted.
+
+    With ``prompt_logprobs``, ``prompt_logprob_tokens[j]`` is prompt token ``j + 1`` with its
+    log probability given the tokens before it (``add_prompt_logprobs``); a chunk computed
+    again after a preemption adds nothing twice.
     """
 
     request_id: str
@@ -78,6 +82,7 @@ class Request:
     output_logprobs: SampleLogprobs = field(default_factory=list)
     cumulative_logprob: float = 0.0
     grammar: SequenceGrammar | None = None  # structured outputs: this sequence's matcher
+    prompt_logprob_tokens: list[SampledToken] = field(default_factory=list)
     sampling_row: SamplingRow = field(init=False)
 
     def __post_init__(self) -> None:
@@ -108,6 +113,18 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def add_prompt_logprobs(self, index: int, tokens: list[SampledToken]) -> None:
+        """Record prompt tokens ``index, index + 1, ...`` (``index >= 1``), skipping those
+        already recorded."""
+        skip = len(self.prompt_logprob_tokens) + 1 - index
+        if skip >= 0:
+            self.prompt_logprob_tokens += tokens[skip:]
+
+    @property
+    def has_prompt_logprobs(self) -> bool:
+        """Whether every prompt token after the first has its entry."""
+        return len(self.prompt_logprob_tokens) == max(len(self.prompt_token_ids) - 1, 0)
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """Tokens ``[start, end)`` of prompt + output, without building the whole list."""

@@ -109,15 +109,35 @@ class Sampler:
             return {}
         return dict(zip(wanted, torch.log_softmax(logits[wanted], dim=-1), strict=True))
 
-    @staticmethod
-    def _sampled(token_id: int, row: SamplingRow, logprobs: torch.Tensor | None) -> SampledToken:
+    def _sampled(self, token_id: int, row: SamplingRow, logprobs: torch.Tensor | None) -> SampledToken:
         if logprobs is None:
             return SampledToken(token_id)
-        chosen = logprobs[token_id]
-        top = torch.topk(logprobs, row.params.logprobs) if row.params.logprobs else None
-        top_logprobs = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-        return SampledToken(token_id, logprob=float(chosen), rank=int((logprobs > chosen).sum()) + 1,
-                            top_logprobs=top_logprobs)
+        target = torch.tensor([token_id], device=self.device)
+        return logprob_tokens(logprobs[None], target, row.params.logprobs)[0]
+
+
+def logprob_tokens(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> list[SampledToken]:
+    """Each row's token with its log probability, rank and top alternatives.
+
+    Args:
+        logprobs: ``[rows, vocab]`` log probabilities (fp32).
+        token_ids: ``[rows]`` int64, the token of each row (sampled, or the prompt's next).
+        num_top: alternatives per row, most likely first (0: none).
+
+    Returns:
+        One ``SampledToken`` per row; its rank is 1 + the tokens strictly more likely (ties
+        share the best rank, as vLLM's ``batched_count_greater_than``).
+    """
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    top_ids: list[list[int]] = [[] for _ in ranks]
+    top_values: list[list[float]] = [[] for _ in ranks]
+    if num_top:
+        top = torch.topk(logprobs, num_top, dim=1)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    return [SampledToken(token_id, logprob=value, rank=rank, top_logprobs=list(zip(ids, values, strict=True)))
+            for token_id, value, rank, ids, values in zip(token_ids.tolist(), chosen[:, 0].tolist(), ranks,
+                                                          top_ids, top_values, strict=True)]
 
 
 def _plain_greedy(row: SamplingRow) -> bool:

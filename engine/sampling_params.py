@@ -145,6 +145,12 @@ class SamplingParams:
             it (vLLM V1's: a stop string is looked for only in later tokens).
         logprobs: return this many top alternatives (0 to 20) with each token's log
             probability; ``None`` returns none.
+        prompt_logprobs: return, for each prompt token after the first, its log probability
+            given the tokens before it and this many top alternatives (0 to 20), from the
+            model's raw logits (no penalty, bias or constraint; vLLM's
+            ``prompt_logprobs``); ``None`` returns none. Such a request does not read the
+            prefix cache (as in vLLM: a cached block has no logits), and costs one LM-head
+            row per prompt token.
         skip_special_tokens: leave special tokens out of the output text.
         logit_bias: token id -> bias added to its logit, in [-100, 100] (OpenAI's range).
         output_kind: cumulative, delta or final-only outputs (``RequestOutputKind``).
@@ -183,6 +189,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
@@ -202,6 +209,9 @@ class SamplingParams:
                "min_tokens", f">= 0 and <= max_tokens ({self.max_tokens})", self.min_tokens)
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                f"in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "ids >= 0",
                self.stop_token_ids)
         _check(all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",

@@ -25,7 +25,8 @@ counts only the blocks it must newly take (a hit on a free cached block takes th
 of the free pool). After each forward, the blocks that became full are offered to the cache.
 A waiting request whose next block another sequence is computing in this very step waits one
 step and finds it cached, rather than computing it twice (a burst of requests with one
-system prompt computes it once).
+system prompt computes it once). A request with ``prompt_logprobs`` computes its whole prompt:
+a cached block holds K/V, not the logits its tokens' log probabilities come from.
 
 A request with ``n > 1`` is prefilled once, as its sequence 0. The step that finishes its
 prompt samples ``n`` tokens from the last position; ``update`` then forks sequences 1..n-1,
@@ -185,7 +186,8 @@ class Scheduler:
             if num_seqs + 1 + request.num_forks_pending > self.config.max_num_seqs:
                 break
             hits, num_cached = self._find_cached_prefix(request)
-            if len(hits) < len(request.block_hashes) and request.block_hashes[len(hits)] in self._filling:
+            if request.sampling_params.prompt_logprobs is None and len(hits) < len(request.block_hashes) \
+                    and request.block_hashes[len(hits)] in self._filling:
                 break  # another sequence computes its next block in this step: a hit next step
             num_new = min(request.num_tokens - num_cached, budget)
             if bm.num_blocks_to_admit(hits, num_cached, num_cached + num_new) > bm.num_free_blocks:
@@ -204,8 +206,10 @@ class Scheduler:
 
     def _find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
         """The cached blocks the request can start from, and how many of its tokens they
-        cover (at most ``num_tokens - 1``: the last token is computed for its logits)."""
-        if not self.block_manager.enable_prefix_caching:
+        cover (at most ``num_tokens - 1``: the last token is computed for its logits). None
+        for a request with ``prompt_logprobs``, whose every prompt token needs its logits (vLLM
+        skips the lookup for them too); its blocks are still cached for others."""
+        if not self.block_manager.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hits = self.block_manager.find_cached_prefix(self._block_hashes(request))
         return hits, min(len(hits) * self.block_manager.block_size, request.num_tokens - 1)
@@ -268,6 +272,8 @@ class Scheduler:
             if request is None:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(scheduled.token_ids)
+            if scheduled.seq_id in runner_output.prompt_logprobs:
+                request.add_prompt_logprobs(*runner_output.prompt_logprobs[scheduled.seq_id])
             if self.block_manager.enable_prefix_caching:
                 self.block_manager.cache_full_blocks(request.seq_id, self._block_hashes(request),
                                                      request.num_computed_tokens)

@@ -110,6 +110,11 @@ class ModelRunnerOutput:
     Attributes:
         sampled: seq id -> its ``num_samples`` new tokens, for every scheduled sequence
             with ``do_sample``.
+        prompt_logprobs: seq id -> ``(index, tokens)`` for every scheduled prompt chunk of a
+            request with ``prompt_logprobs``: ``tokens[j]`` is prompt token ``index + j``
+            (``index >= 1``) with its log probability, rank and top alternatives given the
+            tokens before it.
     """
 
     sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[SampledToken]]] = field(default_factory=dict)
