@@ -23,7 +23,7 @@ from app.records import CompletionDelta, EngineOutput, LogprobEntry, Rejection
 from engine.async_llm import AsyncLLM
 from engine.detokenizer import TokenBytes
 from engine.errors import EngineOverloadedError, InvalidRequestError
-from engine.outputs import JoinedOutputs, RequestOutput
+from engine.outputs import MAX_JOINED_VALUES, JoinedOutputs, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -192,12 +192,14 @@ class EngineServer:
                         if not stream:
                             taken = joined.add(output)
                             if taken is not None:  # one bounded record of a large result
-                                yield self._record(taken, echo and not sent_any)
+                                for record in self._records(taken, echo and not sent_any):
+                                    yield record
                                 sent_any = True
                             if not output.finished:
                                 continue
                             output = joined.take()
-                        yield self._record(output, echo and not sent_any)
+                        for record in self._records(output, echo and not sent_any):
+                            yield record
                         sent_any = True
             completed = True
         except InvalidRequestError as exc:  # the request's own fault mid-way (the first is above): its 400
@@ -220,12 +222,16 @@ class EngineServer:
             async for output in outputs:
                 yield output
 
-    def _record(self, output: RequestOutput, echo: bool) -> EngineOutput:
-        """``output`` as the record sent to the ingress; ``echo``: with the prompt's text."""
+    def _records(self, output: RequestOutput, echo: bool) -> list[EngineOutput]:
+        """``output`` as the records sent to the ingress (one, or several for large prompt
+        logprobs: ``split_prompt_logprobs``); ``echo``: the first with the prompt's text."""
         record = output_to_dict(output, self.replica_id, self.token_bytes)
         if echo:
             record["prompt_text"] = self._prompt_text(output)
-        return record
+        records = split_prompt_logprobs(record)
+        for later in records[1:]:
+            later.pop("prompt_text", None)
+        return records
 
     def _prompt_text(self, output: RequestOutput) -> str:
         """The prompt as text: as sent, or its token ids decoded (vLLM's echo)."""
@@ -361,7 +367,12 @@ def output_to_dict(output: RequestOutput, replica_id: str,
                    token_bytes: TokenBytes | None = None) -> EngineOutput:
     """A delta ``RequestOutput`` as plain data (``app.records``); ``token_bytes`` gives each
     logprob entry's raw bytes (``None``: no tokenizer)."""
-    return EngineOutput(
+    def entries(logprobs: dict[int, Logprob]) -> list[LogprobEntry]:
+        return [LogprobEntry(token_id, max(lp.logprob, _MIN_LOGPROB), lp.rank, lp.decoded_token,
+                             None if token_bytes is None else token_bytes(token_id))
+                for token_id, lp in logprobs.items()]
+
+    record = EngineOutput(
         replica_id=replica_id,
         num_prompt_tokens=len(output.prompt_token_ids),
         num_cached_tokens=output.num_cached_tokens or 0,
@@ -370,10 +381,32 @@ def output_to_dict(output: RequestOutput, replica_id: str,
         outputs=[CompletionDelta(
             index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
-            logprobs=None if c.logprobs is None else [
-                [LogprobEntry(token_id, max(lp.logprob, _MIN_LOGPROB), lp.rank, lp.decoded_token,
-                              None if token_bytes is None else token_bytes(token_id))
-                 for token_id, lp in entry.items()]
-                for entry in c.logprobs],
+            logprobs=None if c.logprobs is None else [entries(entry) for entry in c.logprobs],
         ) for c in output.outputs],
     )
+    if output.prompt_logprobs is not None:
+        first_id = output.prompt_token_ids[0]
+        data = None if token_bytes is None else token_bytes(first_id)
+        first = LogprobEntry(first_id, None, None, None if data is None else data.decode("utf-8", "replace"), data)
+        record["prompt_logprobs"] = [[first]] + [entries(entry) for entry in output.prompt_logprobs[1:]]
+    return record
+
+
+def split_prompt_logprobs(record: EngineOutput, max_values: int = MAX_JOINED_VALUES) -> list[EngineOutput]:
+    """``record`` as records of at most about ``max_values`` prompt logprob entries each: the
+    prompt's tokens in order over records with no outputs, then ``record`` with the last of
+    them (the ingress joins them), so that no message across Serve's gRPC transport nears
+    its 4 MiB limit (an 8,192-token prompt with 20 alternatives is 172,000 entries)."""
+    prompt_logprobs = record.get("prompt_logprobs")
+    if prompt_logprobs is None or sum(map(len, prompt_logprobs)) <= max_values:
+        return [record]
+    parts, part, size = [], [], 0
+    for entry in prompt_logprobs:
+        if part and size + len(entry) > max_values:
+            parts.append(part)
+            part, size = [], 0
+        part.append(entry)
+        size += len(entry)
+    leading = [EngineOutput({**record, "finished": False, "error": None, "outputs": [], "prompt_logprobs": p})
+               for p in parts]
+    return [*leading, EngineOutput({**record, "prompt_logprobs": part})]

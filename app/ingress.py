@@ -209,14 +209,13 @@ class OpenAIIngress:
     @fastapi_app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         self._check(body, "completions")
-        if body.echo and body.logprobs is not None:
-            raise OpenAIError(400, "echo with logprobs needs the prompt's logprobs (prompt_logprobs), "
-                              "which this server does not compute", param="echo",
-                              code="unsupported_parameter")
         params = body.sampling_params()  # checked before n sizes anything
         prompts = body.engine_prompts()  # a batch's size checked against n
         formatter = ResponseFormatter(self.config.model_name, body.n, body.logprobs, body.include_usage,
-                                      body.continuous_usage, num_prompts=len(prompts))
+                                      body.continuous_usage, num_prompts=len(prompts),
+                                      num_prompt_logprobs=body.prompt_logprobs,
+                                      echo_logprobs=body.echo and body.logprobs is not None,
+                                      echo_only=body.echo_only())
         release = self._admit_batch(len(prompts))
         try:
             response = await self._respond(request, body, prompts, params, formatter, echo=body.echo)
@@ -258,7 +257,7 @@ class OpenAIIngress:
         body.check_tools()
         prompts, params = body.engine_prompts(), body.sampling_params()  # checked before n sizes anything
         formatter = ChatFormatter(self.config.model_name, body.n, body.num_logprobs(), body.include_usage,
-                                  body.tool_mode(), body.continuous_usage)
+                                  body.tool_mode(), body.continuous_usage, body.prompt_logprobs)
         return await self._respond(request, body, prompts, params, formatter, prompt_param="messages")
 
     @fastapi_app.get("/v1/models")

@@ -65,6 +65,14 @@ class ResponseFormatter:
             tokens so far, including the chunk's own (0 in a chat role chunk).
         num_prompts: a completions batch's prompts; prompt ``j``'s choices are numbered
             ``j * n`` to ``j * n + n - 1`` (vLLM's order), and ``usage`` sums the prompts.
+        num_prompt_logprobs: top alternatives per prompt token in the body's
+            ``prompt_logprobs`` (vLLM's field and shape: per choice for completions, one for
+            chat), ``None`` without it.
+        echo_logprobs: the echoed prompt's tokens lead each choice's ``logprobs`` (the
+            first with a null logprob, as OpenAI's legacy completions), so that they index
+            the returned text.
+        echo_only: ``echo`` with ``max_tokens`` 0: the generated token the engine needed is
+            left out (text, ids, logprobs and count); choices finish with ``length``.
     """
 
     id_prefix = "cmpl"
@@ -72,7 +80,8 @@ class ResponseFormatter:
     chunk_object_name = "text_completion"
 
     def __init__(self, model: str, n: int, num_logprobs: int | None, include_usage: bool,
-                 continuous_usage: bool = False, num_prompts: int = 1) -> None:
+                 continuous_usage: bool = False, num_prompts: int = 1, num_prompt_logprobs: int | None = None,
+                 echo_logprobs: bool = False, echo_only: bool = False) -> None:
         self.id = new_id(self.id_prefix)
         self.created = now()
         self.model = model
@@ -84,6 +93,11 @@ class ResponseFormatter:
         self.num_prompt_tokens = [0] * num_prompts
         self.echo_text: list[str | None] = [None] * num_prompts  # each prompt, put before its choices' text (echo)
         self.num_cached_tokens = [0] * num_prompts
+        self.num_prompt_logprobs = num_prompt_logprobs
+        self.echo_logprobs = echo_logprobs
+        self.echo_only = echo_only
+        # each prompt's tokens (``EngineOutput.prompt_logprobs``, gathered over its records)
+        self.prompt_logprobs: list[list[list[LogprobEntry]]] = [[] for _ in range(num_prompts)]
 
     # ---- accumulate ----------------------------------------------------------------------
 
@@ -96,8 +110,13 @@ class ResponseFormatter:
         for delta in output["outputs"]:
             index = first + delta["index"]
             choice = self.choices[index]
+            if self.echo_only:  # the one token generated is not part of the reply
+                delta = {**delta, "text": "", "token_ids": [], "finish_reason": delta["finish_reason"] and "length",
+                         "stop_reason": None, "logprobs": None if delta["logprobs"] is None else []}
             if echo_text is not None and not choice.text:
                 delta = {**delta, "text": echo_text + delta["text"]}
+                if self.echo_logprobs:
+                    delta["logprobs"] = self.prompt_logprobs[prompt_index] + (delta["logprobs"] or [])
             choice.text.append(delta["text"])
             choice.num_tokens += len(delta["token_ids"])
             choice.logprobs += delta["logprobs"] or []
@@ -111,6 +130,7 @@ class ResponseFormatter:
         self.num_prompt_tokens[prompt_index] = output["num_prompt_tokens"]
         self.echo_text[prompt_index] = output.get("prompt_text", self.echo_text[prompt_index])
         self.num_cached_tokens[prompt_index] = output["num_cached_tokens"]
+        self.prompt_logprobs[prompt_index] += output.get("prompt_logprobs", [])
 
     def usage(self, choice: int | None = None) -> dict:
         """Token counts: of every choice and prompt, or of the one choice at index ``choice``
@@ -127,9 +147,31 @@ class ResponseFormatter:
 
     def response(self) -> dict:
         """The whole non-streaming body."""
-        return {"id": self.id, "object": self.object_name, "created": self.created,
+        body = {"id": self.id, "object": self.object_name, "created": self.created,
                 "model": self.model, "usage": self.usage(),
                 "choices": [self._full_choice(i, c) for i, c in enumerate(self.choices)]}
+        if self.num_prompt_logprobs is not None:
+            self._put_prompt_logprobs(body)
+        return body
+
+    def _put_prompt_logprobs(self, body: dict) -> None:
+        """vLLM's completions: each choice has its prompt's ``prompt_logprobs``."""
+        for i, choice in enumerate(body["choices"]):
+            choice["prompt_logprobs"] = self._prompt_logprobs(i // self.n)
+
+    def _prompt_logprobs(self, prompt_index: int) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: ``None`` for the first token, then per token a map of
+        token id (a string in JSON) to ``{logprob, rank, decoded_token}``, the prompt's token
+        first, then the top ``num_prompt_logprobs`` alternatives."""
+        shown = []
+        for entry in self.prompt_logprobs[prompt_index]:
+            if entry[0].rank is None:
+                shown.append(None)
+                continue
+            alternatives = sorted(entry[1:], key=lambda e: e.rank)[: self.num_prompt_logprobs]
+            shown.append({str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.token}
+                          for e in [entry[0], *alternatives]})
+        return shown
 
     def chunks(self, output: EngineOutput, first: bool, prompt_index: int = 0) -> list[str]:
         """SSE lines for one engine output of the prompt at ``prompt_index`` (none for a
@@ -175,8 +217,11 @@ class ResponseFormatter:
         """
         if self.num_logprobs is None or entries is None:
             return None
-        top_logprobs = []
+        top_logprobs: list[dict | None] = []
         for entry in entries:
+            if entry[0].logprob is None:  # an echoed prompt's first token: nothing before it
+                top_logprobs.append(None)
+                continue
             top: dict[str, float] = {}
             for alternative in self._top(entry):
                 top.setdefault(legacy_token(alternative), alternative.logprob)
@@ -203,8 +248,10 @@ class ChatFormatter(ResponseFormatter):
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(self, model: str, n: int, num_logprobs: int | None, include_usage: bool,
-                 tool_mode: ToolMode | None = None, continuous_usage: bool = False) -> None:
-        super().__init__(model, n, num_logprobs, include_usage, continuous_usage)
+                 tool_mode: ToolMode | None = None, continuous_usage: bool = False,
+                 num_prompt_logprobs: int | None = None) -> None:
+        super().__init__(model, n, num_logprobs, include_usage, continuous_usage,
+                         num_prompt_logprobs=num_prompt_logprobs)
         self.tool_mode = tool_mode
         self._tool_streams = [ToolCallStream(tool_mode) for _ in range(n)] if tool_mode else None
 
@@ -227,6 +274,10 @@ class ChatFormatter(ResponseFormatter):
                 finish_reason = "tool_calls"
         return {"index": index, "message": message, "logprobs": self._logprobs(choice.logprobs, None),
                 "finish_reason": finish_reason, "stop_reason": choice.stop_reason}
+
+    def _put_prompt_logprobs(self, body: dict) -> None:
+        """vLLM's chat: one ``prompt_logprobs`` beside ``choices`` (one prompt)."""
+        body["prompt_logprobs"] = self._prompt_logprobs(0)
 
     def _ended_by_model(self, finish_reason: str | None, stop_reason: int | str | None) -> bool:
         """Whether a reply with calls finishes with ``tool_calls``: it called by its own

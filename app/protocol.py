@@ -219,6 +219,8 @@ class SamplingRequest(RequestModel):
     _constraint_param: str | None = PrivateAttr(None)
     cache_salt: str | None = Field(None, description="Prefix caching: only requests with the same "
                                    "salt share cached KV blocks (vLLM's field); a non-empty string.")
+    prompt_logprobs: int | None = Field(None, description=f"vLLM's: each prompt token's log probability and "
+                                        f"this many top alternatives, 0..{MAX_LOGPROBS}; not with stream.")
 
     def engine_prompts(self) -> list[dict]:
         """What ``EngineServer.generate`` takes as its prompt, one per prompt (a chat request
@@ -231,6 +233,18 @@ class SamplingRequest(RequestModel):
     def num_logprobs(self) -> int | None:
         """Top alternatives per token, ``None`` without logprobs."""
         raise NotImplementedError
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """The engine's ``prompt_logprobs``: top alternatives per prompt token, ``None`` for
+        none. As vLLM, not with ``stream`` (which would hold the first chunk back for them).
+
+        Raises:
+            InvalidRequestError: naming ``prompt_logprobs``, set with ``stream``.
+        """
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs is not available with stream: true (as vLLM's); "
+                                      "send the request without stream", "prompt_logprobs")
+        return self.prompt_logprobs
 
     def sampling_params(self) -> SamplingParams:
         """The engine's parameters (deltas: the service streams or accumulates them).
@@ -266,7 +280,8 @@ class SamplingRequest(RequestModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=_logit_bias(self.logit_bias), output_kind=RequestOutputKind.DELTA,
-            cache_salt=self.cache_salt, structured_outputs=structured_outputs)
+            cache_salt=self.cache_salt, structured_outputs=structured_outputs,
+            prompt_logprobs=self.engine_prompt_logprobs())
 
     def constraints(self) -> list[tuple[str, dict]]:
         """``(request field, StructuredOutputsParams kwargs)`` for every constraint set."""
@@ -404,15 +419,36 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="The prompt: text or token ids, or a list of prompts (a batch: each "
                     "prompt's n choices, prompt after prompt).")
-    max_tokens: int | None = Field(16, description="Most tokens per choice.")
-    logprobs: int | None = Field(None, description=f"Top alternatives per token, 0..{MAX_LOGPROBS}.")
-    echo: bool = Field(False, description="Return the prompt's text before the completion.")
+    max_tokens: int | None = Field(16, description="Most tokens per choice; 0 only with echo (the prompt alone).")
+    logprobs: int | None = Field(None, description=f"Top alternatives per token, 0..{MAX_LOGPROBS}; with "
+                                 "echo, the prompt's tokens' too.")
+    echo: bool = Field(False, description="Return the prompt's text (and with logprobs, its tokens' "
+                       "logprobs) before the completion.")
+
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the reply is the prompt alone, as vLLM's (which
+        generates one token and leaves it out): a prompt's log probabilities in one request."""
+        return self.echo and self.max_tokens == 0
 
     def max_new_tokens(self) -> int | None:
+        """Raises: InvalidRequestError naming ``min_tokens`` above an echoed ``max_tokens`` of 0."""
+        if self.echo_only():
+            if self.min_tokens:
+                raise InvalidRequestError(f"min_tokens must be 0 with max_tokens 0 (echo); got "
+                                          f"{excerpt(self.min_tokens)}", "min_tokens")
+            return 1
         return self.max_tokens
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """As ``SamplingRequest.engine_prompt_logprobs``; with ``echo`` and ``logprobs``, at
+        least ``logprobs`` (the echoed prompt's tokens get theirs, as vLLM's), streamed too."""
+        asked = super().engine_prompt_logprobs()
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, asked or 0)
+        return asked
 
     def is_batch(self) -> bool:
         """Whether ``prompt`` is a list of prompts (of one or more), not one prompt."""

@@ -11,8 +11,9 @@ class LogprobEntry(NamedTuple):
 
     Attributes:
         token_id: the token.
-        logprob: its natural-log probability (floored at -9999.0: JSON has no -inf).
-        rank: 1 for the most likely token.
+        logprob: its natural-log probability (floored at -9999.0: JSON has no -inf); ``None``
+            for a prompt's first token (``EngineOutput.prompt_logprobs``).
+        rank: 1 for the most likely token; ``None`` where ``logprob`` is.
         token: its text, ``tokenizer.decode([token_id])`` (``None`` without a tokenizer); U+FFFD
             for a token that holds part of a character.
         token_bytes: its own raw bytes (``engine.detokenizer.TokenBytes``; ``None`` without a
@@ -20,8 +21,8 @@ class LogprobEntry(NamedTuple):
     """
 
     token_id: int
-    logprob: float
-    rank: int
+    logprob: float | None
+    rank: int | None
     token: str | None
     token_bytes: bytes | None
 
@@ -49,6 +50,10 @@ class EngineOutput(TypedDict):
     outputs: list[CompletionDelta]
     # the prompt's text, on the first record of a request that asked for it (echo)
     prompt_text: NotRequired[str]
+    # prompt_logprobs: per prompt token (its own entry first, then the top alternatives; the
+    # first token's alone, logprob None), on the first records, in order: a large prompt's
+    # are split over several records (app.engine_server.split_prompt_logprobs)
+    prompt_logprobs: NotRequired[list[list[LogprobEntry]]]
 
 
 class Rejection(TypedDict):

@@ -124,6 +124,7 @@ KNOWN_FIELDS: list[KnownField] = [
     *_implemented("add_generation_prompt", False, CHAT),
     *_implemented("continue_final_message", True, CHAT, requires={"add_generation_prompt": False}),
     *_implemented("cache_salt", "tenant-a"),
+    *_implemented("prompt_logprobs", 1),
     # ---- unsupported: OpenAI ----
     *_unsupported("best_of", 3, off=(None, 1), note="server-side best-of-n; vLLM V1 dropped it too"),
     *_unsupported("suffix", "!", COMPLETIONS, off=(None, ""), note="fill-in-the-middle"),
@@ -152,7 +153,6 @@ KNOWN_FIELDS: list[KnownField] = [
     *_unsupported("early_stopping", True, off=(None, False), note="beam search only"),
     *_unsupported("spaces_between_special_tokens", False, off=(None, True)),
     *_unsupported("truncate_prompt_tokens", 8),
-    *_unsupported("prompt_logprobs", 1),
     *_unsupported("allowed_token_ids", [1, 2]),
     *_unsupported("bad_words", ["x"], off=(None, [])),
     *_unsupported("logits_processors", ["x.y"], off=(None, [])),

@@ -122,9 +122,6 @@ def test_echo_puts_the_prompt_before_the_completion(api, tokenizer):
     assert by_ids["choices"][0]["text"] == tokenizer.decode(ids) + plain["choices"][0]["text"]
     two = _completion(api, prompt=prompt, echo=True, n=2)
     assert [c["text"] for c in two["choices"]] == [echoed["choices"][0]["text"]] * 2
-    response = requests.post(api.url + "/v1/completions", timeout=30,
-                             json={"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 1})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "echo"
 
 
 @pytest.mark.parametrize("options", [{}, {"add_generation_prompt": False},
