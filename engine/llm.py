@@ -68,8 +68,8 @@ class LLM:
                 own input (a structured output's constraint that no text matches).
             RuntimeError: if the engine failed a request.
         """
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt (process_prompt names a prompt of another type)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -86,7 +86,8 @@ class LLM:
         """Generate replies to one conversation or a list of them, through the tokenizer's
         chat template (``LLMEngine.chat_prompt``: by default with the generation prompt
         added; ``continue_final_message`` continues the last message instead)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        one = not isinstance(messages, (list, tuple)) or not messages or isinstance(messages[0], dict)
+        conversations = [messages] if one else messages  # (chat_prompt names a conversation of another type)
         prompts = [self.llm_engine.chat_prompt(conversation, add_generation_prompt, continue_final_message)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -144,17 +144,24 @@ class LLMEngine:
         Raises:
             ContextLengthExceededError: the prompt cannot fit in ``max_model_len``.
             InvalidRequestError: naming ``prompt``, for text without a tokenizer, text that
-                is not valid Unicode, or a token id outside the vocabulary.
+                is not valid Unicode, a token id outside the vocabulary, or a prompt of
+                another type.
         """
         if isinstance(prompt, dict):
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
             if token_ids is None:
+                if text is None:
+                    raise InvalidRequestError(f"prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'; got "
+                                              f"{excerpt(prompt)}", "prompt")
                 return self.process_prompt(text)
         elif isinstance(prompt, str):
             self._check_num_chars(len(prompt), "prompt")
             text, token_ids = prompt, self.tokenize(prompt)
-        else:
+        elif isinstance(prompt, (list, tuple)):
             text, token_ids = None, list(prompt)
+        else:
+            raise InvalidRequestError(f"prompt must be text, a list of token ids, or a dict with 'prompt' or "
+                                      f"'prompt_token_ids'; got {excerpt(prompt)}", "prompt")
         self._check_num_tokens(len(token_ids))
         # ids the client sent are named by element (prompt[i]); ids of a text, not
         self._check_token_ids("prompt_token_ids" if text is None else "prompt", token_ids)
@@ -227,7 +234,9 @@ class LLMEngine:
                 ``max_model_len`` (each takes at least one token: its role marker), or more
                 characters of content than ``max_prompt_chars``.
             InvalidRequestError: if the model has no chat template, if both flags are set,
-                or if the template cannot leave the last message open.
+                if the template cannot leave the last message open, or naming
+                ``messages[i]`` for a message that is not a dict with a string ``role`` and a
+                string or text-part ``content`` (``_template_messages``).
         """
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise InvalidRequestError(f"model {self.config.model!r} has no chat template", "messages")
@@ -235,6 +244,7 @@ class LLMEngine:
             raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both "
                                       "be true: set add_generation_prompt to false to continue the "
                                       "last message", "continue_final_message")
+        conversation = _template_messages(conversation)
         max_len = self.config.scheduler.max_model_len
         if len(conversation) >= max_len:
             raise ContextLengthExceededError(
@@ -527,3 +537,32 @@ def max_prompt_chars(tokenizer, max_model_len: int) -> int | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     shrink = _NORMALIZER_SHRINK if backend is None or backend.normalizer is not None else 1
     return max_model_len * longest * shrink
+
+
+def _template_messages(conversation) -> list[dict]:
+    """The conversation as the chat template takes it: content given as OpenAI's text parts
+    (``[{"type": "text", "text": ...}]``) joined into one string, as the HTTP API joins them.
+
+    Raises:
+        InvalidRequestError: naming ``messages[i]`` for a message that is not a dict with a
+            string ``role`` and a string or text-part ``content`` (an assistant's may be
+            ``None``).
+    """
+    if not isinstance(conversation, (list, tuple)) or not conversation:
+        raise InvalidRequestError(f"messages must be a list of at least one message; got {excerpt(conversation)}",
+                                  "messages")
+    messages = []
+    for index, message in enumerate(conversation):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequestError(f"messages[{index}] must be a dict with a string 'role'; got "
+                                      f"{excerpt(message)}", f"messages[{index}]")
+        content = message.get("content")
+        if isinstance(content, (list, tuple)) and content and all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            message = {**message, "content": "".join(p["text"] for p in content)}
+        elif not isinstance(content, str) and not (content is None and message["role"] == "assistant"):
+            raise InvalidRequestError(f"messages[{index}].content must be a string or a list of text parts "
+                                      f"(None only for an assistant's); got {excerpt(content)}",
+                                      f"messages[{index}].content")
+        messages.append(message)
+    return messages

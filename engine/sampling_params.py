@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import numbers
 from dataclasses import dataclass, field, fields
 
 from engine.errors import InvalidRequestError, excerpt
@@ -25,6 +26,49 @@ class RequestOutputKind(enum.Enum):
 def _check(ok: bool, name: str, allowed: str, value) -> None:
     if not ok:
         raise InvalidRequestError(f"{name} must be {allowed}; got {excerpt(value)}", param=name)
+
+
+# The type of each field a caller sets by value (the others are checked below): an int field
+# takes any integer (numpy's too, stored as int), a float field any real number (stored as
+# float), a bool field only True or False; None where the field allows it. A float where an
+# int belongs (logprobs=1.5) failed inside the step loop, and max_tokens=1.5 ran to 2 tokens.
+_INT_FIELDS = {"n": False, "top_k": False, "seed": True, "max_tokens": True, "min_tokens": False,
+               "logprobs": True, "prompt_logprobs": True}  # name -> None allowed
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
+
+
+def _check_types(params: SamplingParams) -> None:
+    """Coerce numbers to their field's type, or raise naming the field."""
+    for name, optional in _INT_FIELDS.items():
+        value = getattr(params, name)
+        if not (optional and value is None):
+            _check(isinstance(value, numbers.Integral) and not isinstance(value, bool), name,
+                   "an integer" + (" or None" if optional else ""), value)
+            setattr(params, name, int(value))
+    for name in _FLOAT_FIELDS:
+        value = getattr(params, name)
+        _check(isinstance(value, numbers.Real) and not isinstance(value, bool), name, "a number", value)
+        setattr(params, name, float(value))
+    for name in _BOOL_FIELDS:
+        _check(isinstance(getattr(params, name), bool), name, "a bool (True or False)", getattr(params, name))
+    _check(params.stop is None or isinstance(params.stop, (str, list, tuple)), "stop",
+           "a string or a list of strings", params.stop)
+    _check(isinstance(params.stop_token_ids, (list, tuple)) and all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in params.stop_token_ids),
+        "stop_token_ids", "a list of token ids", params.stop_token_ids)
+    _check(isinstance(params.logit_bias, dict) and all(
+        _is_token_id(k) and isinstance(v, numbers.Real) and not isinstance(v, bool)
+        for k, v in params.logit_bias.items()), "logit_bias", "a map of token id to a number", params.logit_bias)
+    _check(isinstance(params.output_kind, RequestOutputKind), "output_kind", "a RequestOutputKind",
+           params.output_kind)
+
+
+def _is_token_id(key) -> bool:
+    """An integer, or a string of decimal digits (JSON's keys are strings)."""
+    if isinstance(key, str):
+        return key.isascii() and key.isdigit()
+    return isinstance(key, numbers.Integral) and not isinstance(key, bool)
 
 
 def _is_utf8_encodable(text: str) -> bool:
@@ -192,6 +236,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
         _check(0 <= self.temperature < math.inf, "temperature", "a finite number >= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)

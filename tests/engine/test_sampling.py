@@ -1,7 +1,9 @@
 """Sampling through the engine: seeds, n > 1 sharing blocks, stop strings, logprobs."""
+import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
 from engine.sampling_params import RequestOutputKind
 from tests.engine.conftest import assert_idle
 
@@ -140,6 +142,63 @@ def test_invalid_parameters_name_the_field_and_range():
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    # a trial: logprobs=1.5 failed the step with torch.topk's TypeError, max_tokens=1.5 gave 2 tokens
+    (dict(logprobs=1.5), "logprobs must be an integer or None; got 1.5"),
+    (dict(max_tokens=1.5), "max_tokens must be an integer or None; got 1.5"),
+    (dict(min_tokens=2.5), "min_tokens must be an integer; got 2.5"),
+    (dict(seed="7"), "seed must be an integer or None; got '7'"),
+    (dict(n=True), "n must be an integer; got True"),
+    (dict(prompt_logprobs=1.0), "prompt_logprobs must be an integer or None; got 1.0"),
+    (dict(temperature="0.5"), "temperature must be a number; got '0.5'"),
+    (dict(top_p=None), "top_p must be a number; got None"),
+    (dict(skip_special_tokens="no"), r"skip_special_tokens must be a bool \(True or False\); got 'no'"),
+    (dict(stop=5), "stop must be a string or a list of strings; got 5"),
+    (dict(stop_token_ids=5), "stop_token_ids must be a list of token ids; got 5"),
+    (dict(stop_token_ids=[1.0]), "stop_token_ids must be a list of token ids"),
+    (dict(logit_bias={"x": 1}), "logit_bias must be a map of token id to a number"),
+    (dict(logit_bias={1: "2"}), "logit_bias must be a map of token id to a number"),
+    (dict(output_kind=1), "output_kind must be a RequestOutputKind; got 1"),
+])
+def test_a_value_of_the_wrong_type_names_the_field(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=f"^{message}") as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == next(iter(kwargs))
+
+
+def test_numbers_of_any_kind_become_the_fields_type():
+    params = SamplingParams(max_tokens=np.int64(5), seed=np.int32(-3), temperature=1, top_p=np.float32(0.5),
+                            logit_bias={"42": 1, 7: -2}, stop=("a", "b"))
+    assert (params.max_tokens, params.seed, params.temperature, params.top_p) == (5, -3, 1.0, 0.5)
+    assert [type(v) for v in (params.max_tokens, params.seed, params.temperature, params.top_p)] == \
+        [int, int, float, float]
+    assert (params.logit_bias, params.stop) == ({42: 1.0, 7: -2.0}, ["a", "b"])
+
+
+def test_a_prompt_or_a_conversation_of_another_type_names_the_field(llm):
+    for prompt in (5, [None], {"x": 1}, None):
+        with pytest.raises(InvalidRequestError, match=r"^prompt") as info:
+            llm.generate(prompt, use_tqdm=False)
+        assert info.value.param == "prompt"
+    cases = [("hi", "messages"), ([], "messages"), ([{"content": "x"}], "messages[0]"),
+             ([{"role": "system", "content": "Be brief."}, {"role": "user"}], "messages[1].content"),
+             ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content")]
+    for messages, param in cases:
+        with pytest.raises(InvalidRequestError) as info:
+            llm.chat(messages, use_tqdm=False)
+        assert info.value.param == param, messages
+    assert_idle(llm)
+
+
+def test_text_parts_are_joined_as_the_http_api_joins_them(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is 2+"}, {"type": "text", "text": "2?"}]}]
+    joined = [{"role": "user", "content": "What is 2+2?"}]
+    assert llm.chat(parts, greedy, use_tqdm=False)[0].outputs[0].token_ids == \
+        llm.chat(joined, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.llm_engine.chat_prompt(parts) == llm.llm_engine.chat_prompt(joined)
 
 
 def test_token_ids_outside_the_vocabulary_are_rejected_at_add(llm):
