@@ -55,6 +55,13 @@ def test_streams_cut_after_their_first_chunk_free_everything_within_2s(api):
         counted = _sample(requests.get(api.url + "/metrics", timeout=30).text, aborted) - before
         time.sleep(0.2)
     assert counted == 20  # each request's one choice, finished by its client leaving
+    # every token the engine sampled is counted, each departed stream's last one too (a trial
+    # found /metrics one token per aborted choice below /stats); taken each second
+    time.sleep(1.2)
+    generated = _sample(requests.get(api.url + "/metrics", timeout=30).text,
+                        r"mini_infer_generation_tokens_total\{[^}]*\}")
+    assert generated == sum(r["num_generation_tokens"] for r in requests.get(api.url + "/stats", timeout=30)
+                            .json()["replicas"])
 
 
 def test_a_batch_of_prompts_cut_mid_stream_or_unstreamed_frees_every_prompts_request(api):
@@ -170,8 +177,16 @@ def test_metrics_count_what_happens(api):
     requests.post(api.url + "/v1/completions", timeout=60,
                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 5, "temperature": 0, "ignore_eos": True})
     requests.post(api.url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "Hi", "top_p": 9})
-    after = requests.get(api.url + "/metrics", timeout=30).text
     generated = r"mini_infer_generation_tokens_total\{[^}]*\}"
+    # the engine's count of sampled tokens, taken each second (app.engine_server._STATS_PERIOD_S)
+    deadline = time.monotonic() + 5
+    while True:
+        after = requests.get(api.url + "/metrics", timeout=30).text
+        if sample(after, generated) - sample(before.text, generated) >= 5 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    time.sleep(1.2)  # one more period: nothing else was sampled
+    after = requests.get(api.url + "/metrics", timeout=30).text
     assert sample(after, generated) - sample(before.text, generated) == 5
     errors = r'mini_infer_http_errors_total\{status_code="400"\}'
     assert sample(after, errors) - sample(before.text, errors) == 1
