@@ -33,11 +33,20 @@ import torch  # noqa: E402
 from engine.device import cpu_has_bf16_matmul  # noqa: E402
 from engine.models import head_dim_of  # noqa: E402
 from engine.threads import wait_policy_applied  # noqa: E402
+from engine.workload import WorkloadError, read_workload  # noqa: E402
 
 
 def load_workload(path: Path, quick: bool = False) -> dict:
-    """A workload file (``shared/workloads/*.json``), cut by ``quick_workload`` if ``quick``."""
-    workload = json.loads(Path(path).read_text())
+    """A workload file (``shared/workloads/*.json``), cut by ``quick_workload`` if ``quick``.
+
+    Raises:
+        SystemExit: one line naming ``--workload`` (``engine.workload.read_workload``'s
+            error), for a file that is missing or holds no workload.
+    """
+    try:
+        workload = read_workload(path)
+    except WorkloadError as exc:
+        raise SystemExit(f"--workload: {exc}") from None
     return quick_workload(workload) if quick else workload
 
 

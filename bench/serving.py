@@ -43,6 +43,7 @@ import multiprocessing
 import os
 import random
 import statistics
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -321,9 +322,33 @@ def server_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> None:
+def _rates(text: str) -> list[float]:
+    """``--request-rates``: numbers above 0 (``inf`` too), comma-separated."""
+    try:
+        rates = [float(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated numbers: {text!r}") from None
+    if not all(r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be above 0; got {text}")
+    return rates
+
+
+def _report_failures(runs: list[dict]) -> int:
+    """1, with a line on stderr, where any run had failed requests (a run against no service
+    wrote a result of 0 tok/s and exited 0), else 0."""
+    failed = sum(run["failed"] for run in runs)
+    if not failed:
+        return 0
+    print(f"{failed} requests failed (of {sum(run['failed'] + run['completed'] for run in runs)}): the "
+          "figures above count only the completed ones", file=sys.stderr)
+    return 1
+
+
+def main() -> int:
+    """Returns the exit status: 1 where any request failed."""
     parser = server_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--request-rates", default="0.5,1,inf")
+    parser.add_argument("--request-rates", type=_rates, default="0.5,1,inf",
+                        help="requests per second, comma-separated; inf: all at once")
     parser.add_argument("--slo-ttft-s", type=float, default=5.0)
     parser.add_argument("--slo-tpot-s", type=float, default=0.5)
     parser.add_argument("--skip-direct", action="store_true")
@@ -345,7 +370,7 @@ def main() -> None:
 
     workload = load_workload(args.workload)
     requests = workload["requests"][: args.num_requests]
-    rates = [float(r) for r in args.request_rates.split(",")]
+    rates = args.request_rates
     slo = (args.slo_ttft_s, args.slo_tpot_s)
     if args.replicas:
         runs = bench_routers(args, requests, rates, slo)
@@ -357,7 +382,8 @@ def main() -> None:
         for name, ratio in result["ratios"].items():
             print(f"{name}: {ratio}")
         print(f"wrote {path}")
-        return
+        return _report_failures([summary for router_runs in runs.values() for run in router_runs
+                                 for summary in run.values()])
     repeats = run_repeats(args, requests, rates, slo)
     http, direct = repeats[0]["http"], repeats[0]["direct"]
     result = {"workload": workload["name"], "num_requests": len(requests), "model": args.model,
@@ -380,6 +406,8 @@ def main() -> None:
         print(f"rate {rate:>5}: http/direct {ratio['output_tokens_per_s']} (each repeat: "
               f"{ratio['output_tokens_per_s_each']})")
     print(f"wrote {path} and {path.with_suffix('.png').name}")
+    return _report_failures([summary for repeat in repeats for mode in ("http", "direct")
+                             for summary in (repeat.get(mode) or {}).values()])
 
 
 def run_repeats(args, requests, rates, slo) -> list[dict]:
@@ -447,4 +475,4 @@ def _plot(result: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

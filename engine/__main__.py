@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Iterator
 
 from engine.config import engine_args
+from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.workload import WorkloadError, read_workload
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -109,7 +111,7 @@ def run_workload(llm: LLM, path: Path, populate_kv_cache: bool = True) -> dict:
     (``engine.model_runner.lazily_zeroed_cpu``), and on a VM whose memory is cold each 2 MiB
     page then costs the step that touches it ~1-5 ms of kernel time (w1_mixed, bf16, a Xeon
     with AMX: 451-455 output tok/s without, 480-485 with; docs/PERFORMANCE.md)."""
-    requests = json.loads(path.read_text())["requests"]
+    requests = read_workload(path)["requests"]
     populated, populate_s = False, 0.0
     if populate_kv_cache:
         start = time.perf_counter()
@@ -144,13 +146,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.dashboard_port is not None and not 0 <= args.dashboard_port <= 65535:
         raise SystemExit(f"--dashboard-port: {args.dashboard_port} is not a TCP port (0 to 65535)")
     if args.prompt is not None:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.max_tokens)  # bad values fail before loading
+        try:  # bad values fail before loading, in one line naming the flag
+            params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                    max_tokens=args.max_tokens)
+        except InvalidRequestError as exc:
+            raise SystemExit(f"--{(exc.param or 'prompt').replace('_', '-')}: {exc}") from None
         with _dashboard(_build_llm(args), args.dashboard_port) as llm:
             run_prompt(llm, args, params)
         return
-    if not args.workload.is_file():
-        raise SystemExit(f"--workload: no such file: {args.workload}")
+    try:  # checked before loading the model
+        read_workload(args.workload)
+    except WorkloadError as exc:
+        raise SystemExit(f"--workload: {exc}") from None
     with _dashboard(_build_llm(args), args.dashboard_port) as llm:
         summary = run_workload(llm, args.workload, args.populate_kv_cache)
     print(f"requests: {summary['requests']}  output tokens: {summary['output_tokens']}  "

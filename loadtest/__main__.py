@@ -17,6 +17,7 @@ import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
 
 import gevent  # noqa: E402
 from locust.env import Environment  # noqa: E402
@@ -116,20 +117,37 @@ def plot(finished: list[tuple[float, int]], summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _positive(kind: type) -> Callable[[str], float]:
+    """An argparse type: a number of ``kind`` above 0 (Locust ran ``--users -3`` for no
+    request and exited 0)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0; got {text}")
+        return value
+    return parse
+
+
 def main() -> int:
     """Returns the exit status: 1 where any request failed (as Locust's own), with the
     failures on stderr, else 0."""
     parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="http://127.0.0.1:8000")
-    parser.add_argument("--users", type=int, default=4)
-    parser.add_argument("--spawn-rate", type=float, default=4.0)
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds")
+    parser.add_argument("--users", type=_positive(int), default=4)
+    parser.add_argument("--spawn-rate", type=_positive(float), default=4.0, help="users started per second")
+    parser.add_argument("--duration", type=_positive(float), default=60.0, help="seconds")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"results folder (default {DEFAULT_OUT})")
     args = parser.parse_args()
     summary = run(args.host, args.users, args.spawn_rate, args.duration, args.out)
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
     print(f"wrote {args.out / 'summary.json'}, {args.out / 'summary.png'} and Locust's CSV files")
+    if not summary["num_requests"]:
+        print("no request was made: nothing measured (a longer --duration?)", file=sys.stderr)
+        return 1
     if not summary["num_failures"]:
         return 0
     for failure in summary["failures"][:5]:

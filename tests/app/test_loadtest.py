@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.serve_process import ROOT
 
 
@@ -68,3 +70,13 @@ def test_a_run_with_failures_exits_1_and_names_the_key_on_401s(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert out.returncode == 1 and summary["num_requests"] == summary["num_failures"] > 0, out.stderr[-2000:]
     assert "HTTP 401: the service has an api_key; set MINI_INFER_LOAD_API_KEY to send it" in out.stderr
+
+
+@pytest.mark.parametrize("flag, value, message", [("--users", "-3", "must be above 0; got -3"),
+                                                  ("--spawn-rate", "0", "must be above 0; got 0"),
+                                                  ("--duration", "abc", "not a number: 'abc'")])
+def test_nonsense_arguments_are_refused(flag, value, message):
+    # a trial: --users -3 and --duration -5 ran for no request and exited 0
+    out = subprocess.run([sys.executable, "-m", "loadtest", flag, value], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().endswith(f"argument {flag}: {message}"), out.stderr

@@ -79,7 +79,17 @@ def test_a_shared_prefix_workload_with_prefix_caching_on_and_off(tmp_path):
     assert on["output_tokens"] == off["output_tokens"] == 9
 
 
-def test_bad_arguments_fail_with_a_clear_message():
-    out = run("generate", "--prompt", "x", "--max-tokens", "0")
-    assert out.returncode != 0
-    assert "max_tokens must be >= 1; got 0" in out.stderr
+def test_bad_arguments_fail_with_one_line_naming_the_flag(tmp_path):
+    # a trial: these were tracebacks (InvalidRequestError, KeyError, JSONDecodeError)
+    not_json, no_ids = tmp_path / "a.txt", tmp_path / "no_ids.json"
+    not_json.write_text("not json")
+    no_ids.write_text(json.dumps({"requests": [{"max_tokens": 3}]}))
+    cases = [(["--prompt", "x", "--max-tokens", "0"], "--max-tokens: max_tokens must be >= 1; got 0"),
+             (["--prompt", "x", "--temperature", "-1"], "--temperature: temperature must be a finite number >= 0; got -1.0"),
+             (["--workload", str(not_json)], f"--workload: {not_json} is not JSON (Expecting value at line 1)"),
+             (["--workload", str(no_ids)],
+              f"--workload: {no_ids}: requests[0] needs 'prompt_token_ids', a non-empty list of token ids"),
+             (["--workload", str(tmp_path / "none.json")], f"--workload: no such file: {tmp_path / 'none.json'}")]
+    for args, message in cases:
+        out = run("generate", *args)
+        assert (out.returncode, out.stderr.strip()) == (1, message), args
