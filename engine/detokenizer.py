@@ -33,8 +33,14 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._tokenizer = tokenizer.backend_tokenizer
-        self._stream = DecodeStream(ids=prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:],
-                                    skip_special_tokens=params.skip_special_tokens)
+        context = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
+        self._stream = DecodeStream(ids=context, skip_special_tokens=params.skip_special_tokens)
+        # DecodeStream takes the context as the text before the output only where it ends in a
+        # whole character; a prompt that ends inside one (token ids cut mid-emoji) decodes to
+        # U+FFFD there, and the stream's first text then repeats the context's (a trial: "Hi "
+        # of the prompt began the completion). That first text is cut here (_drop_context).
+        text = self._tokenizer.decode(context, skip_special_tokens=params.skip_special_tokens) if context else ""
+        self._context_text = text if text.endswith("\ufffd") else None
         self._stops = [StopMatcher(stop) for stop in params.stop]
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
@@ -49,6 +55,8 @@ class IncrementalDetokenizer:
         wherever it starts)."""
         self._num_tokens += 1
         delta = self._stream.step(self._tokenizer, token_id)
+        if delta and self._context_text is not None:
+            delta = self._drop_context(delta)
         if not delta:
             return None  # a partial character: nothing to decode yet
         start = len(self.output_text)
@@ -65,6 +73,17 @@ class IncrementalDetokenizer:
                     self.output_text = self.output_text[:cut]
                     return matcher.stop
         return None
+
+    def _drop_context(self, text: str) -> str:
+        """The stream's first text without the context's: without it whole where the
+        context's U+FFFD is still one (the bytes after it did not complete that character, or
+        it was the character itself), else without its whole characters (the first generated
+        token completed the last one, which is then the output's first character)."""
+        context, self._context_text = self._context_text, None
+        for prefix in (context, context[:-1]):
+            if text.startswith(prefix):
+                return text[len(prefix):]
+        return text
 
     def pop_delta(self, finished: bool) -> str:
         """The text not emitted yet; while running, minus a tail that may start a stop string."""

@@ -150,3 +150,28 @@ def test_token_bytes_of_a_sentencepiece_tokenizer_with_byte_fallback():
     ids = [1, 7, 2, 3, 4, 5, 6]  # " cats 🐱"
     assert b"".join(token_bytes(i) for i in ids) == " cats 🐱".encode()
     assert [token_bytes(i) for i in (3, 1)] == [b"\xf0", b" cat"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_a_prompt_cut_inside_a_character_is_not_repeated_in_the_output(tokenizer, text):
+    """A trial: the prompt [26843, 40303] ("Hi" and the first three bytes of an emoji) began
+    its completion with "Hi ", the prompt's text (tokenizers' DecodeStream repeats a context
+    that ends in U+FFFD). Each cut inside a character: the output is the text after the
+    prompt's whole characters, the one the cut split included."""
+    ids = tokenizer(text).input_ids
+    full = tokenizer.decode(ids)
+    for cut in range(1, len(ids)):
+        prompt = tokenizer.decode(ids[:cut])
+        if not prompt.endswith("\ufffd") or "\ufffd" in tokenizer.decode(ids[cut:cut + 4]):
+            continue  # the cut is between characters, or the output starts inside another
+        deltas, _, _ = stream(tokenizer, ids[cut:], prompt=ids[:cut])
+        assert "".join(deltas) == full[len(prompt) - 1:], (cut, prompt)
+    deltas, _, _ = stream(tokenizer, [221, 10813, 230, 126], prompt=[26843, 40303])  # completes 😃, then 🌱
+    assert "".join(deltas) == "😃🌱"
+    # a U+FFFD the next token does not complete stays the prompt's
+    deltas, _, _ = stream(tokenizer, tokenizer(" ok", add_special_tokens=False).input_ids, prompt=[26843, 40303])
+    assert "".join(deltas) == " ok"
+    # a prompt that ends in the character U+FFFD itself is not repeated either
+    literal = tokenizer("Hi \ufffd", add_special_tokens=False).input_ids
+    deltas, _, _ = stream(tokenizer, tokenizer(" ok", add_special_tokens=False).input_ids, prompt=literal)
+    assert "".join(deltas) == " ok"
