@@ -85,7 +85,8 @@ def test_bad_arguments_fail_with_one_line_naming_the_flag(tmp_path):
     not_json.write_text("not json")
     no_ids.write_text(json.dumps({"requests": [{"max_tokens": 3}]}))
     cases = [(["--prompt", "x", "--max-tokens", "0"], "--max-tokens: max_tokens must be >= 1; got 0"),
-             (["--prompt", "x", "--temperature", "-1"], "--temperature: temperature must be a finite number >= 0; got -1.0"),
+             (["--prompt", "x", "--temperature", "-1"],
+              "--temperature: temperature must be a finite number >= 0; got -1.0"),
              (["--workload", str(not_json)], f"--workload: {not_json} is not JSON (Expecting value at line 1)"),
              (["--workload", str(no_ids)],
               f"--workload: {no_ids}: requests[0] needs 'prompt_token_ids', a non-empty list of token ids"),

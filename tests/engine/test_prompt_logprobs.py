@@ -106,7 +106,9 @@ def test_a_delta_request_gets_them_once_with_n(llm, mixed_prompts):
     assert [list(e or {}) for e in cumulative.prompt_logprobs] == [list(e or {}) for e in seen[0]]
 
 
-@pytest.mark.parametrize("value", [-1, MAX_LOGPROBS + 1, 1.5])
-def test_out_of_range_names_the_field(value):
-    with pytest.raises(InvalidRequestError, match=r"prompt_logprobs.*\[0, 20\]"):
+@pytest.mark.parametrize("value, message", [(-1, r"an integer in \[0, 20\]; got -1"),
+                                            (MAX_LOGPROBS + 1, r"an integer in \[0, 20\]; got 21"),
+                                            (1.5, "an integer or None; got 1.5")])
+def test_out_of_range_names_the_field(value, message):
+    with pytest.raises(InvalidRequestError, match=f"^prompt_logprobs must be {message}$"):
         SamplingParams(prompt_logprobs=value)
