@@ -283,8 +283,13 @@ def main(args) -> int:
     if args.clock == "cpu" and torch.get_num_threads() != 1:
         print("kernel_bench cpu: --clock cpu times the calling thread only: add --threads 1", file=sys.stderr)
         return 2
-    result = run_cpu(args.shape, args.dtypes.split(","), [int(b) for b in args.batches.split(",")],
-                     [int(c) for c in args.contexts.split(",")], args.isa, args.rounds,
+    from kernels import cpu_attention
+
+    isas = cpu_attention.supported_isas()
+    if args.isa not in (None, "auto", *isas):  # one line, not the kernel's RuntimeError mid-run
+        print(f"kernel_bench cpu: --isa {args.isa!r}: this CPU runs auto, {', '.join(isas)}", file=sys.stderr)
+        return 2
+    result = run_cpu(args.shape, args.dtypes.split(","), args.batches, args.contexts, args.isa, args.rounds,
                      () if args.no_prefill else PREFILL_CASES, clock=args.clock)
     for dtype, rows in result["decode"].items():
         title = f"decode, {dtype} ({result['isa']}, {result['threads']} threads, {result['clock']} time)"

@@ -103,6 +103,20 @@ def test_cpu_subcommand_writes_json_and_plot(tmp_path, capsys):
     assert "decode, float32" in capsys.readouterr().out
 
 
+def test_bad_cpu_arguments_are_one_line(tmp_path, capsys):
+    # a trial: --batches x and --isa bogus were tracebacks
+    for flag, value, message in (("--batches", "x", "not comma-separated integers: 'x'"),
+                                 ("--contexts", "512,0", "must be above 0; got 512,0")):
+        with pytest.raises(SystemExit) as info:
+            kb.main(["cpu", flag, value])
+        assert info.value.code == 2 and f"argument {flag}: {message}" in capsys.readouterr().err
+    out = tmp_path / "cpu.json"
+    assert kb.main(["cpu", "--isa", "bogus", "--dtypes", "float32", "--batches", "2", "--contexts", "20",
+                    "--rounds", "1", "--no-prefill", "--out", str(out)]) == 2
+    assert "kernel_bench cpu: --isa 'bogus': this CPU runs auto, " in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_cpu_clock_times_one_thread_only(tmp_path, capsys):
     import torch
 
