@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from cli_types import positive_list
+
 REPO = Path(__file__).resolve().parents[1]
 BATCHES = (1, 4, 16, 64, 256)
 CONTEXTS = (512, 2048, 8192)
@@ -235,18 +237,6 @@ def run_bench(shape: AttentionShape = QWEN2_5_7B) -> dict:
             "copy_gbps": round(copy, 1), "rows": rows}
 
 
-def _positive_ints(text: str) -> list[int]:
-    """``--batches`` / ``--contexts``: integers above 0, comma-separated (a trial's ``x`` was a
-    traceback)."""
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
-    if not all(v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"must be above 0; got {text}")
-    return values
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -257,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     cpu.add_argument("--dtypes", default="bfloat16,float32",
                      help="query dtypes, comma-separated; QUERY/fp8_e4m3 or QUERY/fp8_e5m2 "
                      "(bfloat16/fp8_e4m3) for an fp8 cache under QUERY's queries")
-    cpu.add_argument("--batches", type=_positive_ints, default="1,4,16,64,256", help="comma-separated")
-    cpu.add_argument("--contexts", type=_positive_ints, default="128,512,1024,2048,4096", help="comma-separated")
+    integers = positive_list(int, "integers")
+    cpu.add_argument("--batches", type=integers, default="1,4,16,64,256", help="comma-separated")
+    cpu.add_argument("--contexts", type=integers, default="128,512,1024,2048,4096", help="comma-separated")
     cpu.add_argument("--isa", help="auto, or one of kernels.cpu_attention.supported_isas() "
                      "(default: $MINI_INFER_CPU_ISA, else auto)")
     cpu.add_argument("--rounds", type=int, default=5, help="timed calls per combination")

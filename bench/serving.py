@@ -49,6 +49,7 @@ import uuid
 from pathlib import Path
 
 import aiohttp
+from cli_types import positive_list
 from common import ROOT, load_workload, machine_info, percentiles, write_result
 
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -322,17 +323,6 @@ def server_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _rates(text: str) -> list[float]:
-    """``--request-rates``: numbers above 0 (``inf`` too), comma-separated."""
-    try:
-        rates = [float(r) for r in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not comma-separated numbers: {text!r}") from None
-    if not all(r > 0 for r in rates):
-        raise argparse.ArgumentTypeError(f"rates must be above 0; got {text}")
-    return rates
-
-
 def _report_failures(runs: list[dict]) -> int:
     """1, with a line on stderr, where any run had failed requests (a run against no service
     wrote a result of 0 tok/s and exited 0), else 0."""
@@ -347,7 +337,7 @@ def _report_failures(runs: list[dict]) -> int:
 def main() -> int:
     """Returns the exit status: 1 where any request failed."""
     parser = server_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--request-rates", type=_rates, default="0.5,1,inf",
+    parser.add_argument("--request-rates", type=positive_list(float, "numbers"), default="0.5,1,inf",
                         help="requests per second, comma-separated; inf: all at once")
     parser.add_argument("--slo-ttft-s", type=float, default=5.0)
     parser.add_argument("--slo-tpot-s", type=float, default=0.5)

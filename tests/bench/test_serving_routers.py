@@ -140,10 +140,11 @@ def test_an_idle_client_runs_the_http_runs_at_sched_idle(serving, sse_server):
 def test_request_rates_and_the_exit_status_on_failures(serving, capsys):
     import argparse
 
-    assert serving._rates("0.5,1,inf") == [0.5, 1.0, float("inf")]
+    rates = serving.positive_list(float, "numbers")  # --request-rates
+    assert rates("0.5,1,inf") == [0.5, 1.0, float("inf")]
     for bad in ("abc", "1,,2", "0", "-1,inf"):
         with pytest.raises(argparse.ArgumentTypeError):
-            serving._rates(bad)
+            rates(bad)
     # a trial: every request failed (no service) and the run exited 0
     assert serving._report_failures([{"completed": 4, "failed": 0}]) == 0
     assert serving._report_failures([{"completed": 0, "failed": 4}, {"completed": 3, "failed": 1}]) == 1
