@@ -93,8 +93,8 @@ class EngineServer:
         threading.Thread(target=self._record_stats, name="engine-metrics", daemon=True).start()
 
     async def generate(self, prompt: dict, params: SamplingParams, request_id: str | None = None,
-                       echo: bool = False, stream: bool = True,
-                       announce_added: bool = False) -> AsyncIterator[EngineOutput | Rejection | dict]:
+                       echo: bool = False, stream: bool = True, announce_added: bool = False,
+                       probe: bool = False) -> AsyncIterator[EngineOutput | Rejection | dict]:
         """Stream a request's outputs as dicts (see ``output_to_dict``), or one ``Rejection``.
 
         A request that can never be served, or that finds the waiting queue full, gets a
@@ -112,6 +112,9 @@ class EngineServer:
                 the engine has accepted the request, before its first output (a completions
                 batch's streams start together: each prompt is known good without waiting
                 for its first token, which may wait for a free place in the batch).
+            probe: the ingress's readiness check (``GET /ready``): left out of the request
+                counts and latency histograms, which a load balancer's probes would otherwise
+                fill (a trial); its token is in the engine's sampled-token count.
             stream: ``True``: a record per engine output (what one step, or several steps
                 where this replica is behind the engine, added); ``False``: one record with
                 the whole result, so that a non-streaming request crosses Ray once, not once
@@ -141,7 +144,7 @@ class EngineServer:
         self._num_in_flight += 1
         self._request_ids.add(request_id)
         try:
-            async for item in self._generate(prompt, params, request_id, echo, stream, announce_added):
+            async for item in self._generate(prompt, params, request_id, echo, stream, announce_added, probe):
                 yield item
         finally:
             self._num_in_flight -= 1
@@ -159,7 +162,8 @@ class EngineServer:
                     self.llm.abort(request_id)
 
     async def _generate(self, prompt: dict, params: SamplingParams, request_id: str | None, echo: bool,
-                        stream: bool, announce_added: bool) -> AsyncIterator[EngineOutput | Rejection | dict]:
+                        stream: bool, announce_added: bool,
+                        probe: bool = False) -> AsyncIterator[EngineOutput | Rejection | dict]:
         start = time.perf_counter()
         timing = _Timing(start, self.latencies)
         num_output_tokens, finish_reasons, num_prompt_tokens = 0, [], 0
@@ -185,7 +189,8 @@ class EngineServer:
                         if self._stopping_now and any(c.finish_reason == "abort" for c in output.outputs):
                             yield rejection(shutting_down_error(in_flight=True))  # aborted by the stop
                             return
-                        timing.tick(self.metrics)
+                        if not probe:
+                            timing.tick(self.metrics)
                         num_prompt_tokens = len(output.prompt_token_ids)
                         num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                         finish_reasons += [c.finish_reason for c in output.outputs if c.finish_reason]
@@ -208,7 +213,7 @@ class EngineServer:
         finally:
             if not (completed or rejected):  # the client left (or the request failed) first
                 finish_reasons += ["abort"] * (params.n - len(finish_reasons))
-            if not rejected:  # rejected requests have no latency and no finish to report
+            if not (rejected or probe):  # rejected requests have no latency and no finish to report
                 ttft = 0.0 if timing.first is None else timing.first - start  # (not observed without output)
                 self._record_request(num_prompt_tokens, num_output_tokens, ttft, time.perf_counter() - start,
                                      finish_reasons)

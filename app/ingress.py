@@ -382,7 +382,7 @@ class OpenAIIngress:
         try:
             check_not_draining()  # stopping: a load balancer should send no more
             await self._health()  # at once while no engine replica runs (else the call waits)
-            async for record in self.engine_stream.generate.remote({"prompt_token_ids": [0]}, params):
+            async for record in self.engine_stream.generate.remote({"prompt_token_ids": [0]}, params, probe=True):
                 if "status_code" in record:  # a Rejection: the engine refused it (overloaded)
                     raise OpenAIError(**record)
         except Exception as exc:  # noqa: BLE001 - any failure means not ready

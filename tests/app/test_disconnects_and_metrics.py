@@ -204,3 +204,20 @@ def test_render_merges_replicas_into_one_family_each():
     assert 'mini_infer_http_errors_total{status_code="400"} 2.0' in text
     assert 'mini_infer_http_errors_total{status_code="503"} 1.0' in text
     assert 'mini_infer_http_errors_total{status_code="404"} 0.0' in text
+
+
+def test_readiness_probes_are_not_counted_as_requests(api):
+    """A trial: each /ready (a real one-token generation) added a finished request and a TTFT
+    sample, which a load balancer's probes would fill the dashboards with."""
+    series = {"finished": r"mini_infer_request_success_total\{[^}]*\}",
+              "ttft": r'mini_infer_time_to_first_token_seconds_count\{[^}]*\}',
+              "e2e": r'mini_infer_e2e_request_latency_seconds_count\{[^}]*\}',
+              "generated": r"mini_infer_generation_tokens_total\{[^}]*\}"}
+    before = requests.get(api.url + "/metrics", timeout=30).text
+    for _ in range(2):
+        assert requests.get(api.url + "/ready", timeout=60).status_code == 200
+        time.sleep(1.1)  # past READY_CACHE_S: the next one generates again
+    time.sleep(1.2)  # the engine's counts are taken each second
+    after = requests.get(api.url + "/metrics", timeout=30).text
+    deltas = {name: _sample(after, pattern) - _sample(before, pattern) for name, pattern in series.items()}
+    assert deltas == {"finished": 0, "ttft": 0, "e2e": 0, "generated": 2}
