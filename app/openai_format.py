@@ -165,7 +165,7 @@ class ResponseFormatter:
         first, then the top ``num_prompt_logprobs`` alternatives."""
         shown = []
         for entry in self.prompt_logprobs[prompt_index]:
-            if entry[0].rank is None:
+            if entry[0].logprob is None:  # the first token: nothing before it
                 shown.append(None)
                 continue
             alternatives = sorted(entry[1:], key=lambda e: e.rank)[: self.num_prompt_logprobs]

@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, machine_info, write_result
+from common import ROOT, load_workload, machine_info, write_result
 
 VARIANTS = {"engine": {}, "spin": {"GOMP_SPINCOUNT": "300000"}, "one_thread": {"OMP_NUM_THREADS": "1"},
             "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin1k": {"GOMP_SPINCOUNT": "1000"},
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    workload = json.loads(args.workload.read_text())
+    workload = load_workload(args.workload)  # one line for a bad file, before any run
     workload["requests"] = workload["requests"][: args.num_requests]
     variants = args.variants.split(",")
     runs = []

@@ -237,10 +237,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
+        _check(1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
         _check(0 <= self.temperature < math.inf, "temperature", "a finite number >= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
+        _check(self.top_k >= -1, "top_k",
                "-1 or 0 (off) or an integer >= 1", self.top_k)
         _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
         _check(0.01 <= self.repetition_penalty <= 100, "repetition_penalty", "in [0.01, 100]",
@@ -254,9 +254,8 @@ class SamplingParams:
                "min_tokens", f">= 0 and <= max_tokens ({self.max_tokens})", self.min_tokens)
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                f"in [0, {MAX_LOGPROBS}]", self.logprobs)
-        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
-                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
-               "prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+               f"an integer in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "ids >= 0",
                self.stop_token_ids)
         _check(all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",
