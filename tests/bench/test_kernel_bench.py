@@ -85,11 +85,12 @@ def test_cpu_bench_small_run_reports_every_combination():
             shape = kb.AttentionShape(9, 3, 64, 16, elem_size)
             assert r["bytes"] == kb.decode_bytes(r["batch"], r["context"], shape)
             assert r["gbps"] > 0 and r["copy_gbps"] > 0
-            assert r["of_copy"] == pytest.approx(r["gbps"] / r["copy_gbps"], rel=1e-3)
+            # each of the three is rounded to 4 significant digits (5e-4 relative), so up to 1.5e-3 apart
+            assert r["of_copy"] == pytest.approx(r["gbps"] / r["copy_gbps"], rel=2e-3)
             assert r["max_abs_diff"] < (2e-2 if dtype == "bfloat16" else 1e-5)
         (prefill,) = result["prefill"][dtype]
         assert prefill["query_tokens"] == 37
-        assert prefill["speedup"] == pytest.approx(prefill["per_sequence_ms"] / prefill["kernel_ms"], rel=1e-3)
+        assert prefill["speedup"] == pytest.approx(prefill["per_sequence_ms"] / prefill["kernel_ms"], rel=2e-3)
         assert prefill["tiles_ms"] > 0
 
 
