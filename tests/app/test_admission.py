@@ -53,10 +53,10 @@ def test_callers_share_one_run_until_it_expires():
         return {"run": runs[-1]}
 
     async def main():
-        cached = CachedCheck(check, ttl_s=0.2)
+        cached = CachedCheck(check, ttl_s=1.0)
         together = await asyncio.gather(*(cached() for _ in range(20)))
         again = await cached()  # within the time to live
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(1.05)
         return together, again, await cached()
 
     together, again, expired = asyncio.run(main())

@@ -57,11 +57,9 @@ def test_streams_cut_after_their_first_chunk_free_everything_within_2s(api):
     assert counted == 20  # each request's one choice, finished by its client leaving
     # every token the engine sampled is counted, each departed stream's last one too (a trial
     # found /metrics one token per aborted choice below /stats); taken each second
-    time.sleep(1.2)
-    generated = _sample(requests.get(api.url + "/metrics", timeout=30).text,
-                        r"mini_infer_generation_tokens_total\{[^}]*\}")
-    assert generated == sum(r["num_generation_tokens"] for r in requests.get(api.url + "/stats", timeout=30)
-                            .json()["replicas"])
+    sampled = sum(r["num_generation_tokens"] for r in requests.get(api.url + "/stats", timeout=30).json()["replicas"])
+    generated = _metric_after_its_update(api.url, r"mini_infer_generation_tokens_total\{[^}]*\}", sampled)
+    assert generated == sampled
 
 
 def test_a_batch_of_prompts_cut_mid_stream_or_unstreamed_frees_every_prompts_request(api):
@@ -89,6 +87,17 @@ def test_a_batch_of_prompts_cut_mid_stream_or_unstreamed_frees_every_prompts_req
 def _sample(text: str, pattern: str) -> float:
     """The sum of the samples whose series matches ``pattern`` in Prometheus text."""
     return sum(float(v) for v in re.findall(rf"^{pattern} (\S+)$", text, re.M))
+
+
+def _metric_after_its_update(url: str, pattern: str, expected: float, timeout: float = 10.0) -> float:
+    """``_sample`` of ``/metrics`` once it equals ``expected`` or ``timeout`` s have passed: the
+    engine's running totals are taken each second, on a thread a busy host may run late."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = _sample(requests.get(url + "/metrics", timeout=30).text, pattern)
+        if value == expected or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
 
 
 async def _leave_unstreamed_after_1s(session, url: str, body: dict):
@@ -217,7 +226,8 @@ def test_readiness_probes_are_not_counted_as_requests(api):
     for _ in range(2):
         assert requests.get(api.url + "/ready", timeout=60).status_code == 200
         time.sleep(1.1)  # past READY_CACHE_S: the next one generates again
-    time.sleep(1.2)  # the engine's counts are taken each second
+    _metric_after_its_update(api.url, series["generated"],  # the engine's counts are taken each second
+                             _sample(before, series["generated"]) + 2)
     after = requests.get(api.url + "/metrics", timeout=30).text
     deltas = {name: _sample(after, pattern) - _sample(before, pattern) for name, pattern in series.items()}
     assert deltas == {"finished": 0, "ttft": 0, "e2e": 0, "generated": 2}

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from app.config import AppConfig
 from app.engine_server import EngineServer
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from tests.engine.conftest import hold_the_second_step
 
 PROMPT = {"prompt": "Write a haiku about the sea."}
 
@@ -19,12 +21,18 @@ def server():
     server.llm.shutdown()
 
 
-def _records(server, stream: bool, **kwargs) -> list[dict]:
+def _records(server, stream: bool, release: threading.Event | None = None, **kwargs) -> list[dict]:
+    """The request's records; ``release`` (``hold_the_second_step``'s) is set once the first has come."""
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA, **kwargs)
 
     async def main():
-        return [record async for record in server.generate(PROMPT, params, echo=True, stream=stream)]
+        records = []
+        async for record in server.generate(PROMPT, params, echo=True, stream=stream):
+            records.append(record)
+            if release is not None:
+                release.set()
+        return records
 
     return asyncio.run(main())
 
@@ -66,7 +74,7 @@ def test_stream_batching_merges_what_comes_within_the_window(server, monkeypatch
     a 60 s window, 16 tokens are two records: the first token, then the other 15."""
     streamed = _records(server, stream=True, logprobs=1)
     monkeypatch.setattr(server.config, "stream_batching_interval_ms", 60_000)
-    first, rest = _records(server, stream=True, logprobs=1)
+    first, rest = _records(server, stream=True, release=hold_the_second_step(monkeypatch, server.llm), logprobs=1)
     assert len(first["outputs"][0]["token_ids"]) == 1 and not first["finished"]
     assert len(rest["outputs"][0]["token_ids"]) == 15 and rest["finished"]
     for field in ("token_ids", "logprobs"):
@@ -84,9 +92,12 @@ def test_a_consumer_that_leaves_a_batched_stream_aborts_its_request(server, monk
     monkeypatch.setattr(server.config, "stream_batching_interval_ms", 60_000)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
+    release = hold_the_second_step(monkeypatch, server.llm)
+
     async def main():
         stream = server.generate(PROMPT, params, stream=True)
         first = await anext(stream)
+        release.set()
         waiting = asyncio.ensure_future(anext(stream))  # held by the window
         await asyncio.sleep(0.5)
         assert not waiting.done()
@@ -127,7 +138,7 @@ def test_a_large_result_goes_in_records_of_at_most_max_joined_values(server, mon
         records = _records(server, stream=False, logprobs=2)
     else:
         monkeypatch.setattr(server.config, "stream_batching_interval_ms", stream_batching_interval_ms)
-        records = _records(server, stream=True, logprobs=2)
+        records = _records(server, stream=True, release=hold_the_second_step(monkeypatch, server.llm), logprobs=2)
     assert sum(map(_values, streamed)) == 48
     assert [_values(r) <= 20 for r in records] == [True] * len(records)
     assert [len(r["outputs"][0]["token_ids"]) for r in records] == (

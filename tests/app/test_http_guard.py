@@ -188,11 +188,14 @@ def test_a_stream_outlives_the_body_timeout():
 
 def test_a_generation_request_holds_its_place_until_its_response_ends():
     admission = Admission(limit=1)
-    app = make_app(body_timeout_s=0.05, admission=admission)
+    app = make_app(body_timeout_s=0.5, admission=admission)
 
     async def main():
         first = asyncio.create_task(asyncio.to_thread(call, app, "POST", "/v1/chat/completions", AUTH, OK_BODY))
-        await asyncio.sleep(0.1)  # the first is streaming (4 chunks, 0.05 s apart)
+        for _ in range(1000):  # until the first is admitted; then it streams for 2 s (4 chunks, 0.5 s apart)
+            if admission.num_admitted:
+                break
+            await asyncio.sleep(0.01)
         during = admission.num_admitted
         refused = await asyncio.to_thread(call, app, "POST", "/v1/completions", AUTH, OK_BODY)
         return await first, during, refused

@@ -43,7 +43,7 @@ async def _collect(calls: list[_EngineCall]) -> list[tuple[int, dict]]:
 
 
 def test_records_come_from_every_stream_as_they_are_ready():
-    slow = _EngineCall(_Stream([{"r": "a0"}, {"r": "a1"}], pause_s=0.1))
+    slow = _EngineCall(_Stream([{"r": "a0"}, {"r": "a1"}], pause_s=0.5))  # far behind, on a busy host too
     fast = _EngineCall(_Stream([{"r": "b0"}, {"r": "b1"}, {"r": "b2"}], pause_s=0.005))
     merged = asyncio.run(_collect([slow, fast]))
     assert [index for index, _ in merged[:3]] == [1, 1, 1]  # the fast stream's, before the slow one's

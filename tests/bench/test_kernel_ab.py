@@ -100,7 +100,7 @@ def test_compare_times_every_build_in_turns_against_the_first():
         # gbps is rounded to 2 decimals (0.005 apart: 1.5% at 0.33, which a CI run found) and the ms it is
         # checked against to 4
         assert first["gbps"] == pytest.approx(num_bytes / first["ms"] / 1e6, rel=0.01 + 5e-5 / first["ms"],
-                                              abs=0.005)
+                                              abs=0.0052)
         assert second["max_abs_diff"] == 0.0 and 0.0 <= first["max_abs_diff"] < 1e-5
     assert len(lines) == 2 and lines[0].startswith(" float32 b2    ctx32    copy")
 

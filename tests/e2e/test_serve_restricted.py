@@ -149,8 +149,8 @@ def test_a_burst_over_capacity_is_refused_at_once_and_the_rest_completes(restric
 @contextlib.asynccontextmanager
 async def _long_streams(session, url: str, count: int, num_running: int = 2):
     """``count`` streams of 500 tokens sent at once; yields once ``num_running`` of them run
-    (their first event read: the ingress sends no header before it) and the others had a
-    second to reach the engine's queue; all are closed on leaving."""
+    (their first event read: the ingress sends no header before it) and the others are in the
+    engine's queue (``/stats``, within 10 s); all are closed on leaving."""
     long = {"model": MODEL, "prompt": "Count:", "max_tokens": 500, "ignore_eos": True, "stream": True}
 
     async def one():
@@ -165,7 +165,12 @@ async def _long_streams(session, url: str, count: int, num_running: int = 2):
             finished, pending = await asyncio.wait(pending, timeout=60, return_when=asyncio.FIRST_COMPLETED)
             assert finished, "no stream started in 60 s"
             done |= finished
-        await asyncio.sleep(1.0)
+        for _ in range(100):
+            async with session.get(url + "/stats") as response:
+                (stats,) = (await response.json())["replicas"]
+            if stats["num_running"] + stats["num_waiting"] >= count:
+                break
+            await asyncio.sleep(0.1)
         yield [task.result() for task in done]
     finally:
         for task in tasks:

@@ -2,6 +2,10 @@
 and prompts of mixed lengths cut from a fixed English passage."""
 from __future__ import annotations
 
+import itertools
+import threading
+import time
+
 import pytest
 import torch
 
@@ -129,6 +133,27 @@ def assert_idle(llm) -> None:
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
     assert llm.llm_engine.block_manager.block_tables == {}
     llm.llm_engine.block_manager.check_invariants()
+
+
+def hold_the_second_step(monkeypatch, async_llm) -> threading.Event:
+    """Make ``async_llm``'s second step wait until the returned event is set (at most 60 s),
+    for a test about what the first output alone holds: it sets the event once it has that
+    output. Without the hold, a consumer that the OS runs a step late finds two steps' outputs
+    queued, which ``AsyncLLM`` joins into one output. Snapshots are served while it waits, as
+    between any two steps."""
+    release = threading.Event()
+    engine = async_llm.engine
+    step, calls = engine.step, itertools.count()
+
+    def step_held():
+        if next(calls) == 1:
+            deadline = time.monotonic() + 60
+            while not release.wait(0.005) and time.monotonic() < deadline:
+                async_llm.snapshots.serve()
+        return step()
+
+    monkeypatch.setattr(engine, "step", step_held)
+    return release
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ from engine.async_llm import AsyncLLM
 from engine.errors import EngineDeadError, RequestFailedError
 from engine.llm_engine import MAX_CONSECUTIVE_FAILED_STEPS
 from engine.sampling_params import RequestOutputKind
-from tests.engine.conftest import assert_idle
+from tests.engine.conftest import assert_idle, hold_the_second_step
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
            "def fibonacci(n):", "Once upon a time", "The three primary colours are"]
@@ -61,10 +61,13 @@ def test_deltas_concatenate_to_the_offline_output(async_llm, llm):
     assert_idle(_Wrap(async_llm))
 
 
-def test_a_consumer_behind_the_loop_gets_the_steps_it_missed_as_one_output(async_llm, llm):
+def test_a_consumer_behind_the_loop_gets_the_steps_it_missed_as_one_output(async_llm, llm, monkeypatch):
+    release = hold_the_second_step(monkeypatch, async_llm)
+
     async def main():
         outputs = async_llm.generate(PROMPTS[1], greedy(20))
         first = await anext(outputs)
+        release.set()
         await wait_idle(async_llm, timeout=120)  # the request ran to its end while nobody read
         rest = [out async for out in outputs]
         return first, rest
@@ -83,10 +86,12 @@ def test_a_consumer_behind_the_loop_gets_at_most_max_joined_values_per_output(as
     logprob entries an output (here 12: 4 tokens, each with its top 2 logprobs, the sampled
     token's among them), so that an output crossing between processes stays within gRPC's message limit."""
     monkeypatch.setattr("engine.outputs.MAX_JOINED_VALUES", 12)
+    release = hold_the_second_step(monkeypatch, async_llm)
 
     async def main():
         outputs = async_llm.generate(PROMPTS[1], greedy(20, logprobs=2, ignore_eos=True))
         first = await anext(outputs)
+        release.set()
         await wait_idle(async_llm, timeout=120)
         return [first] + [out async for out in outputs]
 

@@ -107,8 +107,9 @@ def tiny():
 def _inputs(model, num_tokens: int):
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
-    x = torch.randn(num_tokens, config.hidden_size)
-    o = torch.randn(num_tokens, config.num_attention_heads, head_dim)
+    generator = torch.Generator().manual_seed(num_tokens)  # the same inputs whichever tests ran first
+    x = torch.randn(num_tokens, config.hidden_size, generator=generator)
+    o = torch.randn(num_tokens, config.num_attention_heads, head_dim, generator=generator)
     cos, sin = model.rotary_emb(torch.arange(num_tokens) % 50, x.dtype)
     return x, o, cos, sin
 

@@ -9,6 +9,7 @@ from engine import LLM, SamplingParams
 from engine.async_llm import AsyncLLM
 from engine.block_manager import BlockManager
 from engine.snapshot import SnapshotChannel, engine_snapshot
+from tests.engine.conftest import hold_the_second_step
 from tests.engine.test_block_manager import _hashes, _run
 from tests.engine.test_scheduler import make_request, make_scheduler, run_step
 
@@ -125,9 +126,10 @@ def test_channel_answers_on_the_driving_thread_between_steps():
     assert engine.threads == {"driver"}
 
 
-def test_async_llm_snapshot_while_idle_and_while_a_request_runs():
+def test_async_llm_snapshot_while_idle_and_while_a_request_runs(monkeypatch):
     async def main():
         llm = AsyncLLM(engine=LLM(dtype="float32", num_gpu_blocks=8, block_size=16).llm_engine)
+        release = hold_the_second_step(monkeypatch, llm)  # the first snapshot sees it running
         try:
             idle = await llm.snapshot()
             assert idle["blocks"]["ref_counts"] == [0] * 8 and idle["running"] == []
@@ -135,6 +137,7 @@ def test_async_llm_snapshot_while_idle_and_while_a_request_runs():
             params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
             async for _ in llm.generate(list(range(500, 520)), params, "q"):
                 seen.append(await llm.snapshot())
+                release.set()
             running = [s for s in seen if s["running"]]
             assert running and all(s["running"][0]["block_table"] == [0, 1] for s in running)
             assert (await llm.snapshot())["blocks"]["ref_counts"] == [0] * 8

@@ -255,7 +255,8 @@ def test_a_real_busy_process_on_one_of_our_cpus_is_seen(monkeypatch):
             time.sleep(0.6)
             fit.update()
         assert fit.threads == 1 and set_calls == [1]
-        assert 0.5 < fit.others <= 2.0
+        # at most our 2 CPUs, give or take /proc/stat's 10 ms ticks (up to 2 per CPU over a 0.6 s update)
+        assert 0.5 < fit.others <= 2.1
     finally:
         busy.kill()
         busy.wait(timeout=10)
