@@ -97,6 +97,7 @@ def test_chat_prompt_logprobs_beside_the_choices(api, tokenizer):
      "prompt_logprobs must be an integer in [0, 20]; got 21"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "prompt_logprobs": -1},
      "prompt_logprobs must be an integer in [0, 20]; got -1"),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 21, "stream": True}, "not available with stream"),
 ])
 def test_bad_prompt_logprobs_are_a_400_naming_it(api, path, body, message):
     response = _post(api, path, {"max_tokens": 1, **body})
@@ -151,13 +152,16 @@ def test_echo_with_max_tokens_0_over_a_batch(api, tokenizer):
         _assert_legacy_indexes_text(choice["logprobs"], prompt)
 
 
-@pytest.mark.parametrize("body, param", [({"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
-                                         ({"prompt": "Hi", "max_tokens": 0, "echo": True, "min_tokens": 1},
-                                          "min_tokens")])
-def test_max_tokens_0_needs_echo(api, body, param):
-    response = _post(api, "/v1/completions", body)
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("body, param, message", [
+    ({"prompt": "Hi", "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1; got 0"),
+    ({"prompt": "Hi", "max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens",
+     "min_tokens must be 0 with max_tokens 0 (echo); got 1")])
+def test_max_tokens_0_needs_echo(api, body, param, message, stream):
+    response = _post(api, "/v1/completions", {**body, "stream": stream})
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == param
+    assert response.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param,
+                                        "code": None}
 
 
 def test_a_long_prompts_logprobs_cross_in_several_records(api, tokenizer):
