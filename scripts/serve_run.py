@@ -291,8 +291,9 @@ def drain(url: str, api_key: str | None, drain_file: str, timeout_s: float,
             break
         if not waited:
             print(f"serve_run: stopping: waiting up to {timeout_s:g} s for {count} sequences in flight to finish "
-                  "(each choice of n and each prompt of a batch counts; MINI_INFER_SHUTDOWN_TIMEOUT_S); send the "
-                  "signal again to stop now", file=sys.stderr)
+                  "(each choice of n and each prompt of a batch counts; MINI_INFER_SHUTDOWN_TIMEOUT_S); signal "
+                  f"again to stop now: Ctrl-C, or SIGTERM to the process group or to serve_run (pid {os.getpid()}), "
+                  "not to make alone, which holds a second signal until its child ends", file=sys.stderr)
             waited = True
         if time.monotonic() >= deadline:
             print(f"serve_run: stopping: the requests of {count} sequences still in flight end with 503 "

@@ -266,7 +266,10 @@ def test_a_stop_waits_for_the_requests_in_flight_then_goes_on(tmp_path, capsys):
         assert seen_keys == ["Bearer k"] * 3
         assert capsys.readouterr().err == ("serve_run: stopping: waiting up to 20 s for 2 sequences in flight to "
                                            "finish (each choice of n and each prompt of a batch counts; "
-                                           "MINI_INFER_SHUTDOWN_TIMEOUT_S); send the signal again to stop now\n")
+                                           "MINI_INFER_SHUTDOWN_TIMEOUT_S); signal again to stop now: Ctrl-C, or "
+                                           "SIGTERM to the process group or to serve_run (pid "
+                                           f"{os.getpid()}), not to make alone, which holds a second signal "
+                                           "until its child ends\n")
         counts[:] = [5]  # never done: the timeout ends the wait, and the flag says to end them
         start = time.monotonic()
         wrapper.drain(url, None, str(flag), timeout_s=0.5, stop_now=lambda: False)
