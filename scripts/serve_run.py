@@ -5,11 +5,14 @@
 Ray's driver (the ``serve run`` process) answers SIGTERM with a C++ stack dump and dies
 without shutting Serve down; only SIGINT takes ``serve run``'s own path (``serve.shutdown()``,
 then Ray's). This runs ``serve run`` in a session of its own and turns every SIGTERM or SIGINT
-it receives into one SIGINT for ``serve run``; so a terminal's Ctrl-C also reaches only the
-driver, not Ray's processes, which the driver stops in order. For ``app:deployment``
+it receives (and SIGHUP: a closed terminal or SSH session) into one SIGINT for ``serve run``;
+so a terminal's Ctrl-C also reaches only the driver, not Ray's processes, which the driver
+stops in order. Should this wrapper die without doing so (SIGKILL, to it or to its process
+group), ``serve run`` gets that SIGINT from the kernel (``PR_SET_PDEATHSIG``) rather than
+serving on unowned. For ``app:deployment``
 (``make run``) the first signal first drains (``drain``): the service takes no new requests
-and the ones in flight finish, for up to ``MINI_INFER_SHUTDOWN_TIMEOUT_S`` seconds; a second
-signal stops at once. Exits with ``serve run``'s
+and the ones in flight finish, for up to ``MINI_INFER_SHUTDOWN_TIMEOUT_S`` seconds (0: at
+once), then end with 503 ``shutting_down``; a second signal stops at once. Exits with ``serve run``'s
 status, or 2 where ``check_settings`` finds a ``MINI_INFER_*`` setting invalid or port 8000
 is taken (``check_http_port``). Standard library
 only: it starts in a blink and imports neither Ray nor torch.
@@ -52,6 +55,7 @@ between Serve's processes".
 """
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import os
@@ -289,7 +293,7 @@ def drain(url: str, api_key: str | None, drain_file: str, timeout_s: float,
         count = in_flight(url, api_key)
         if not count:
             break
-        if not waited:
+        if not waited and timeout_s > 0:
             print(f"serve_run: stopping: waiting up to {timeout_s:g} s for {count} sequences in flight to finish "
                   "(each choice of n and each prompt of a batch counts; MINI_INFER_SHUTDOWN_TIMEOUT_S); signal "
                   f"again to stop now: Ctrl-C, or SIGTERM to the process group or to serve_run (pid {os.getpid()}), "
@@ -346,6 +350,25 @@ def shutdown_timeout_s(env: dict[str, str]) -> float | None:
     return seconds
 
 
+def interrupted_with_parent(parent_pid: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for which the child gets SIGINT when ``parent_pid`` (the calling
+    thread, this wrapper's only one) dies: Linux's ``prctl(PR_SET_PDEATHSIG)``; ``None``
+    elsewhere. A trial: SIGKILL to ``make run``'s process group (a process manager after its
+    stop timeout) left ``serve run``, in a session of its own, and every Ray process serving
+    on port 8000, which the next ``make run`` then found taken."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+
+    def set_death_signal() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGINT)
+        if os.getppid() != parent_pid:  # died before the prctl: nothing will send it
+            os.kill(os.getpid(), signal.SIGINT)
+
+    return set_death_signal
+
+
 def main(argv: list[str]) -> int:
     timeout_s = shutdown_timeout_s(os.environ)
     if timeout_s is None or not check_settings(argv) or not check_http_port(argv):
@@ -372,10 +395,11 @@ def main(argv: list[str]) -> int:
     # the process group).
     arrivals: list[float] = []
     try:
-        child = subprocess.Popen([serve, "run", *argv], env=env, start_new_session=True)
-        signal.signal(signal.SIGTERM, lambda signum, frame: arrivals.append(time.monotonic()))
-        signal.signal(signal.SIGINT, lambda signum, frame: arrivals.append(time.monotonic()))
-        drains = timeout_s > 0 and argv and argv[0] == "app:deployment"
+        child = subprocess.Popen([serve, "run", *argv], env=env, start_new_session=True,
+                                 preexec_fn=interrupted_with_parent(os.getpid()))
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, lambda signum, frame: arrivals.append(time.monotonic()))
+        drains = argv and argv[0] == "app:deployment"
         url, api_key = f"http://127.0.0.1:{SERVE_HTTP_PORT}", env.get("MINI_INFER_API_KEY")
         acted = 0  # stops acted on: the first drains (for the app this wrapper serves), a second stops at once
         while True:
@@ -393,6 +417,8 @@ def main(argv: list[str]) -> int:
                 if stops_asked(arrivals) > 1:
                     continue  # the second stop, next
             elif acted == 2 and drains:  # at once, but the requests in flight still get their 503
+                print("serve_run: stopping now (a second signal): the requests still in flight end with 503 "
+                      "shutting_down", file=sys.stderr)
                 stop_in_flight(url, api_key, env["MINI_INFER_DRAIN_FILE"], stop_now=lambda: stops_asked(arrivals) > 2,
                                wait_s=SECOND_STOP_WAIT_S)
             if child.poll() is None:

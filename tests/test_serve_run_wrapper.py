@@ -66,22 +66,26 @@ def _start(tmp_path: Path, ignore_sigint: bool, env: dict | None = None, stderr=
                             cwd=ROOT)
 
 
-def _stop_with_sigterm(wrapper: subprocess.Popen, times: int = 1) -> tuple[int, list[str]]:
-    """SIGTERM to the wrapper (``times`` times, one right after the other) once the stand-in
-    runs; returns the wrapper's exit status and the stand-in's lines (its pid left out). Its
-    first two lines are read here, line by line: communicate() reads the pipe itself, past
-    what readline() holds in its buffer."""
+def _stop_with_sigterm(wrapper: subprocess.Popen, times: int = 1,
+                       signum: signal.Signals = signal.SIGTERM) -> tuple[int, list[str]]:
+    """SIGTERM (or ``signum``) to the wrapper (``times`` times, one right after the other)
+    once the stand-in runs; returns the wrapper's exit status and the stand-in's lines (its pid
+    left out), once both have ended. Its first two lines are read here, line by line:
+    communicate() reads the pipe itself, past what readline() holds in its buffer."""
     pid, first = wrapper.stdout.readline().split(" ", 1)
     files = wrapper.stdout.readline()  # the same write as the first line
     for _ in range(times):
-        wrapper.send_signal(signal.SIGTERM)
+        wrapper.send_signal(signum)
     try:
-        rest, _ = wrapper.communicate(timeout=20)
+        rest, _ = wrapper.communicate(timeout=20)  # to the pipe's end: the stand-in holds it too
     except subprocess.TimeoutExpired:
         for process in (int(pid), wrapper.pid):  # the stand-in runs in a session of its own
-            os.kill(process, signal.SIGKILL)
+            try:
+                os.kill(process, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         wrapper.wait()
-        raise AssertionError("serve_run.py's SIGTERM did not stop serve run in 20 s") from None
+        raise AssertionError(f"serve_run.py's {signum.name} did not stop serve run in 20 s") from None
     return wrapper.returncode, [first.strip(), files.strip(), *rest.splitlines()]
 
 
@@ -97,6 +101,21 @@ def test_sigterm_reaches_serve_run_as_one_sigint(tmp_path):
     assert not os.path.exists(folder)
     assert lines[2:] == ["KeyboardInterrupt: shutting down"]
     assert returncode == 3  # serve run's own status
+
+
+def test_sighup_reaches_serve_run_as_one_sigint(tmp_path):
+    """A closed terminal or SSH session (SIGHUP to the group) killed the wrapper, which left
+    ``serve run``, in a session of its own, serving (a trial)."""
+    returncode, lines = _stop_with_sigterm(_start(tmp_path, ignore_sigint=False), signum=signal.SIGHUP)
+    assert lines[2:] == ["KeyboardInterrupt: shutting down"] and returncode == 3
+
+
+def test_a_killed_wrapper_still_stops_serve_run(tmp_path):
+    """SIGKILL to the wrapper (a process manager's, to ``make run``'s group, after its stop
+    timeout): the kernel sends ``serve run`` its SIGINT (a trial found ``serve run`` and Ray
+    serving on, port 8000 taken for the next start)."""
+    returncode, lines = _stop_with_sigterm(_start(tmp_path, ignore_sigint=False), signum=signal.SIGKILL)
+    assert lines[2:] == ["KeyboardInterrupt: shutting down"] and returncode == -signal.SIGKILL
 
 
 def test_signals_less_than_a_second_apart_are_one_stop(tmp_path):
