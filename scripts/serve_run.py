@@ -5,7 +5,8 @@
 Ray's driver (the ``serve run`` process) answers SIGTERM with a C++ stack dump and dies
 without shutting Serve down; only SIGINT takes ``serve run``'s own path (``serve.shutdown()``,
 then Ray's). This runs ``serve run`` in a session of its own and turns every SIGTERM or SIGINT
-it receives (and SIGHUP: a closed terminal or SSH session) into one SIGINT for ``serve run``;
+it receives (and SIGHUP, a closed terminal or SSH session, unless ``nohup`` ignores it) into
+one SIGINT for ``serve run``;
 so a terminal's Ctrl-C also reaches only the driver, not Ray's processes, which the driver
 stops in order. Should this wrapper die without doing so (SIGKILL, to it or to its process
 group), ``serve run`` gets that SIGINT from the kernel (``PR_SET_PDEATHSIG``) rather than
@@ -397,7 +398,9 @@ def main(argv: list[str]) -> int:
     try:
         child = subprocess.Popen([serve, "run", *argv], env=env, start_new_session=True,
                                  preexec_fn=interrupted_with_parent(os.getpid()))
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        # SIGHUP stops it too, unless it was ignored from the start (`nohup make run`: not on logout)
+        hup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN else []
+        for signum in (signal.SIGTERM, signal.SIGINT, *hup):
             signal.signal(signum, lambda signum, frame: arrivals.append(time.monotonic()))
         drains = argv and argv[0] == "app:deployment"
         url, api_key = f"http://127.0.0.1:{SERVE_HTTP_PORT}", env.get("MINI_INFER_API_KEY")

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +50,7 @@ FAKE_SERVE = textwrap.dedent(f"""\
 
 
 def _start(tmp_path: Path, ignore_sigint: bool, env: dict | None = None, stderr=None,
-           target: str = "stand_in:app") -> subprocess.Popen:
+           target: str = "stand_in:app", ignore_sighup: bool = False) -> subprocess.Popen:
     """The wrapper on the stand-in ``serve``; ``app:deployment`` as ``target`` adds the checks
     of the settings and of port 8000 before it."""
     (tmp_path / "python").symlink_to(sys.executable)
@@ -60,6 +61,8 @@ def _start(tmp_path: Path, ignore_sigint: bool, env: dict | None = None, stderr=
     def before_exec() -> None:
         if ignore_sigint:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if ignore_sighup:  # as nohup starts it
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     return subprocess.Popen([str(tmp_path / "python"), str(WRAPPER), target, "--port", "8123"],
                             stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=before_exec, env=env,
@@ -108,6 +111,19 @@ def test_sighup_reaches_serve_run_as_one_sigint(tmp_path):
     ``serve run``, in a session of its own, serving (a trial)."""
     returncode, lines = _stop_with_sigterm(_start(tmp_path, ignore_sigint=False), signum=signal.SIGHUP)
     assert lines[2:] == ["KeyboardInterrupt: shutting down"] and returncode == 3
+
+
+def test_sighup_is_left_ignored_under_nohup(tmp_path):
+    wrapper = _start(tmp_path, ignore_sigint=False, ignore_sighup=True)
+    pid, _ = wrapper.stdout.readline().split(" ", 1)
+    wrapper.stdout.readline()
+    wrapper.send_signal(signal.SIGHUP)
+    time.sleep(1.0)  # the stand-in would have printed its KeyboardInterrupt line, and both ended
+    assert wrapper.poll() is None
+    os.kill(int(pid), 0)  # still running
+    wrapper.send_signal(signal.SIGTERM)
+    rest, _ = wrapper.communicate(timeout=20)
+    assert rest.splitlines() == ["KeyboardInterrupt: shutting down"] and wrapper.returncode == 3
 
 
 def test_a_killed_wrapper_still_stops_serve_run(tmp_path):
