@@ -405,6 +405,7 @@ def main(argv: list[str]) -> int:
         drains = argv and argv[0] == "app:deployment"
         url, api_key = f"http://127.0.0.1:{SERVE_HTTP_PORT}", env.get("MINI_INFER_API_KEY")
         acted = 0  # stops acted on: the first drains (for the app this wrapper serves), a second stops at once
+        interrupted = False  # serve run has its SIGINT: Serve and Ray are shutting down
         while True:
             try:
                 return child.wait(timeout=0.1)
@@ -419,6 +420,11 @@ def main(argv: list[str]) -> int:
                       stop_now=lambda: stops_asked(arrivals) > 1)
                 if stops_asked(arrivals) > 1:
                     continue  # the second stop, next
+            elif interrupted:  # a further SIGINT would cut their shutdown short (a trial: a traceback
+                # in Ray's atexit shutdown, and two of Ray's agents left for a minute)
+                print("serve_run: Serve and Ray are already shutting down (a few seconds); this signal is not "
+                      "passed on, since another SIGINT would cut their shutdown short", file=sys.stderr)
+                continue
             elif acted == 2 and drains:  # at once, but the requests in flight still get their 503
                 print("serve_run: stopping now (a second signal): the requests still in flight end with 503 "
                       "shutting_down", file=sys.stderr)
@@ -426,6 +432,7 @@ def main(argv: list[str]) -> int:
                                wait_s=SECOND_STOP_WAIT_S)
             if child.poll() is None:
                 child.send_signal(signal.SIGINT)
+                interrupted = True
     finally:
         shutil.rmtree(run_folder, ignore_errors=True)
         if haproxy_folder is not None:

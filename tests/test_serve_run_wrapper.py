@@ -39,7 +39,8 @@ FAKE_SERVE = textwrap.dedent(f"""\
             time.sleep(0.05)
     except KeyboardInterrupt:
         print("KeyboardInterrupt: shutting down", flush=True)
-    deadline = time.monotonic() + 0.5  # a further SIGINT in this time is a line of its own
+    # a further SIGINT in this time is a line of its own
+    deadline = time.monotonic() + float(os.environ.get("STAND_IN_SHUTDOWN_S", "0.5"))
     while time.monotonic() < deadline:
         try:
             time.sleep(0.01)
@@ -69,6 +70,17 @@ def _start(tmp_path: Path, ignore_sigint: bool, env: dict | None = None, stderr=
                             cwd=ROOT)
 
 
+def _end(wrapper: subprocess.Popen, stand_in_pid: int) -> None:
+    """SIGKILL to the wrapper and the stand-in (in a session of its own) where still running:
+    a failed test leaves neither behind."""
+    for process in (stand_in_pid, wrapper.pid):
+        try:
+            os.kill(process, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    wrapper.wait()
+
+
 def _stop_with_sigterm(wrapper: subprocess.Popen, times: int = 1,
                        signum: signal.Signals = signal.SIGTERM) -> tuple[int, list[str]]:
     """SIGTERM (or ``signum``) to the wrapper (``times`` times, one right after the other)
@@ -82,12 +94,7 @@ def _stop_with_sigterm(wrapper: subprocess.Popen, times: int = 1,
     try:
         rest, _ = wrapper.communicate(timeout=20)  # to the pipe's end: the stand-in holds it too
     except subprocess.TimeoutExpired:
-        for process in (int(pid), wrapper.pid):  # the stand-in runs in a session of its own
-            try:
-                os.kill(process, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        wrapper.wait()
+        _end(wrapper, int(pid))
         raise AssertionError(f"serve_run.py's {signum.name} did not stop serve run in 20 s") from None
     return wrapper.returncode, [first.strip(), files.strip(), *rest.splitlines()]
 
@@ -113,17 +120,45 @@ def test_sighup_reaches_serve_run_as_one_sigint(tmp_path):
     assert lines[2:] == ["KeyboardInterrupt: shutting down"] and returncode == 3
 
 
+def _signal_in_turn(wrapper: subprocess.Popen, signals: list[signal.Signals], pause_s: float,
+                    sent: list[signal.Signals]) -> tuple[list[str], str]:
+    """Once the stand-in runs, each of ``signals`` to the wrapper, ``pause_s`` apart, while it
+    runs (each one sent is added to ``sent``); returns the stand-in's lines after its first two
+    and the wrapper's stderr (where piped), once both have ended (or are ended, on a failure)."""
+    pid = int(wrapper.stdout.readline().split(" ", 1)[0])
+    wrapper.stdout.readline()
+    try:
+        for index, signum in enumerate(signals):
+            time.sleep(pause_s if index else 0.0)
+            if wrapper.poll() is None:
+                wrapper.send_signal(signum)
+                sent.append(signum)
+        rest, err = wrapper.communicate(timeout=20)
+    finally:
+        _end(wrapper, pid)
+    return rest.splitlines(), err or ""
+
+
 def test_sighup_is_left_ignored_under_nohup(tmp_path):
     wrapper = _start(tmp_path, ignore_sigint=False, ignore_sighup=True)
-    pid, _ = wrapper.stdout.readline().split(" ", 1)
-    wrapper.stdout.readline()
-    wrapper.send_signal(signal.SIGHUP)
-    time.sleep(1.0)  # the stand-in would have printed its KeyboardInterrupt line, and both ended
-    assert wrapper.poll() is None
-    os.kill(int(pid), 0)  # still running
-    wrapper.send_signal(signal.SIGTERM)
-    rest, _ = wrapper.communicate(timeout=20)
-    assert rest.splitlines() == ["KeyboardInterrupt: shutting down"] and wrapper.returncode == 3
+    # the wrapper and the stand-in still run 1.2 s after the SIGHUP: the SIGTERM then stops them
+    # (a SIGHUP taken for a stop would have ended both within 0.5 s: no SIGTERM is sent then)
+    sent = []
+    lines, _ = _signal_in_turn(wrapper, [signal.SIGHUP, signal.SIGTERM], pause_s=1.2, sent=sent)
+    assert sent == [signal.SIGHUP, signal.SIGTERM]
+    assert lines == ["KeyboardInterrupt: shutting down"] and wrapper.returncode == 3
+
+
+def test_stops_while_serve_run_shuts_down_are_not_passed_on(tmp_path):
+    """Each further SIGINT cut ``serve run``'s shutdown short; the third (three stops a second
+    apart) landed in Ray's own, a trial found: a traceback, and two of Ray's agents left for a
+    minute."""
+    env = {**os.environ, "STAND_IN_SHUTDOWN_S": "4"}
+    wrapper = _start(tmp_path, ignore_sigint=False, env=env, stderr=subprocess.PIPE)
+    sent = []
+    lines, err = _signal_in_turn(wrapper, [signal.SIGTERM] * 3, pause_s=1.2, sent=sent)
+    assert len(sent) == 3 and lines == ["KeyboardInterrupt: shutting down"] and wrapper.returncode == 3
+    assert err.count("serve_run: Serve and Ray are already shutting down") == 2, err
 
 
 def test_a_killed_wrapper_still_stops_serve_run(tmp_path):
