@@ -83,20 +83,11 @@ def _end(wrapper: subprocess.Popen, stand_in_pid: int) -> None:
 
 def _stop_with_sigterm(wrapper: subprocess.Popen, times: int = 1,
                        signum: signal.Signals = signal.SIGTERM) -> tuple[int, list[str]]:
-    """SIGTERM (or ``signum``) to the wrapper (``times`` times, one right after the other)
-    once the stand-in runs; returns the wrapper's exit status and the stand-in's lines (its pid
-    left out), once both have ended. Its first two lines are read here, line by line:
-    communicate() reads the pipe itself, past what readline() holds in its buffer."""
-    pid, first = wrapper.stdout.readline().split(" ", 1)
-    files = wrapper.stdout.readline()  # the same write as the first line
-    for _ in range(times):
-        wrapper.send_signal(signum)
-    try:
-        rest, _ = wrapper.communicate(timeout=20)  # to the pipe's end: the stand-in holds it too
-    except subprocess.TimeoutExpired:
-        _end(wrapper, int(pid))
-        raise AssertionError(f"serve_run.py's {signum.name} did not stop serve run in 20 s") from None
-    return wrapper.returncode, [first.strip(), files.strip(), *rest.splitlines()]
+    """SIGTERM (or ``signum``) to the wrapper, ``times`` times one right after the other, once
+    the stand-in runs; returns the wrapper's exit status and the stand-in's lines (its pid left
+    out), once both have ended."""
+    lines, _ = _signal_in_turn(wrapper, [signum] * times, pause_s=0.0, sent=[])
+    return wrapper.returncode, lines
 
 
 def test_sigterm_reaches_serve_run_as_one_sigint(tmp_path):
@@ -123,20 +114,24 @@ def test_sighup_reaches_serve_run_as_one_sigint(tmp_path):
 def _signal_in_turn(wrapper: subprocess.Popen, signals: list[signal.Signals], pause_s: float,
                     sent: list[signal.Signals]) -> tuple[list[str], str]:
     """Once the stand-in runs, each of ``signals`` to the wrapper, ``pause_s`` apart, while it
-    runs (each one sent is added to ``sent``); returns the stand-in's lines after its first two
-    and the wrapper's stderr (where piped), once both have ended (or are ended, on a failure)."""
-    pid = int(wrapper.stdout.readline().split(" ", 1)[0])
-    wrapper.stdout.readline()
+    runs (each one sent is added to ``sent``); returns the stand-in's lines (its pid left out)
+    and the wrapper's stderr (where piped), once both have ended (or are ended, on a failure).
+    Its first two lines are read here, line by line: communicate() reads the pipe itself, past
+    what readline() holds in its buffer."""
+    pid, first = wrapper.stdout.readline().split(" ", 1)
+    files = wrapper.stdout.readline()  # the same write as the first line
     try:
         for index, signum in enumerate(signals):
             time.sleep(pause_s if index else 0.0)
             if wrapper.poll() is None:
                 wrapper.send_signal(signum)
                 sent.append(signum)
-        rest, err = wrapper.communicate(timeout=20)
+        rest, err = wrapper.communicate(timeout=20)  # to the pipe's end: the stand-in holds it too
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"serve_run.py's {signals[-1].name} did not stop serve run in 20 s") from None
     finally:
-        _end(wrapper, pid)
-    return rest.splitlines(), err or ""
+        _end(wrapper, int(pid))
+    return [first.strip(), files.strip(), *rest.splitlines()], err or ""
 
 
 def test_sighup_is_left_ignored_under_nohup(tmp_path):
@@ -146,7 +141,7 @@ def test_sighup_is_left_ignored_under_nohup(tmp_path):
     sent = []
     lines, _ = _signal_in_turn(wrapper, [signal.SIGHUP, signal.SIGTERM], pause_s=1.2, sent=sent)
     assert sent == [signal.SIGHUP, signal.SIGTERM]
-    assert lines == ["KeyboardInterrupt: shutting down"] and wrapper.returncode == 3
+    assert lines[2:] == ["KeyboardInterrupt: shutting down"] and wrapper.returncode == 3
 
 
 def test_stops_while_serve_run_shuts_down_are_not_passed_on(tmp_path):
@@ -157,7 +152,7 @@ def test_stops_while_serve_run_shuts_down_are_not_passed_on(tmp_path):
     wrapper = _start(tmp_path, ignore_sigint=False, env=env, stderr=subprocess.PIPE)
     sent = []
     lines, err = _signal_in_turn(wrapper, [signal.SIGTERM] * 3, pause_s=1.2, sent=sent)
-    assert len(sent) == 3 and lines == ["KeyboardInterrupt: shutting down"] and wrapper.returncode == 3
+    assert len(sent) == 3 and lines[2:] == ["KeyboardInterrupt: shutting down"] and wrapper.returncode == 3
     assert err.count("serve_run: Serve and Ray are already shutting down") == 2, err
 
 

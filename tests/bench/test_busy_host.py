@@ -1,12 +1,10 @@
 """bench/busy_host.py: the busy process it starts, and its busy / quiet summary."""
 import os
-import sys
 import time
 
-from tests.serve_process import ROOT
+from tests.bench import load_bench_module
 
-sys.path.insert(0, str(ROOT / "bench"))
-import busy_host  # noqa: E402
+busy_host = load_bench_module("busy_host")
 
 
 def test_the_busy_process_pins_itself_to_one_core():

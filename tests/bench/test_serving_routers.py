@@ -1,21 +1,15 @@
 """``bench/serving.py --replicas N --router a,b``: its ratios are the first router's medians
 over each other router's, per request rate (the runs themselves need a served app: the
 numbers are in docs/PERFORMANCE.md, "Routing across two engine replicas")."""
-import sys
 
 import pytest
 
-from tests.serve_process import ROOT
+from tests.bench import load_bench_module
 
 
 @pytest.fixture(scope="module")
 def serving():
-    sys.path.insert(0, str(ROOT / "bench"))  # bench scripts import their `common` module
-    try:
-        import serving
-        yield serving
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    return load_bench_module("serving")
 
 
 def _run(tok_s, ttft_p50, hit_rate):
